@@ -1,0 +1,70 @@
+# Brigade developer commands. `make test` sets everything up from a fresh clone.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+
+# Installed before the project on machines without CUDA, so that pip resolves `torch>=2.4`
+# to this CPU build instead of downloading a multi-GB CUDA one.
+TORCH_CPU ?= torch==2.13.0
+HAS_CUDA  := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo yes)
+SUDO      := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
+
+# Ray: no usage reporting, no token auth (a real deployment distributes the token).
+RAY_ENV := RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled
+
+ARGS        ?=
+PYTEST_ARGS ?=
+# Files starting with `_` are helpers, not benchmarks.
+BENCHES := $(filter-out benchmarks/_%,$(wildcard benchmarks/*.py))
+
+.PHONY: venv dev system-deps test serve lint bench clean distclean
+
+venv: $(VENV)/.stamp-serve
+
+dev: $(VENV)/.stamp-dev system-deps
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+
+$(VENV)/.stamp-serve: pyproject.toml | $(PY)
+ifndef HAS_CUDA
+	$(PIP) install $(TORCH_CPU)
+endif
+	$(PIP) install -e .
+	touch $@
+
+$(VENV)/.stamp-dev: $(VENV)/.stamp-serve
+	$(PIP) install -e '.[dev]'
+	touch $@
+
+# Debian packages the tests need. No systemd here: tests start redis-server themselves.
+system-deps:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	    $(SUDO) apt-get update && \
+	    $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server; }
+
+test: dev
+	$(RAY_ENV) $(PY) -m pytest $(PYTEST_ARGS)
+
+serve: venv
+	$(VENV)/bin/brigade serve $(ARGS)
+
+lint: dev
+	$(VENV)/bin/ruff check .
+
+bench: dev
+	@test -n "$(BENCHES)" || { echo "no benchmarks/*.py to run" >&2; exit 1; }
+	@for f in $(BENCHES); do \
+	    echo "== $$f --quick"; \
+	    $(RAY_ENV) $(PY) $$f --quick || exit 1; \
+	done
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .ruff_cache
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)

@@ -1,0 +1,37 @@
+"""Chained block hashes: the names of full KV blocks, shared by the engine and the router.
+
+    h_0 = ROOT (32 zero bytes)
+    h_i = SHA-256( b"brigade-kv-v1" || u32le(len(model_id)) || model_id (UTF-8)
+                   || h_{i-1} || u32le(n) || u32le(t_1) ... u32le(t_n) )
+
+where t_1..t_n are the block's token ids. A hash therefore names the whole prefix up to
+and including its block, for one model. Test vectors are in docs/ARCHITECTURE.md and
+tests/test_block_hash.py.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+ROOT = bytes(32)
+_DOMAIN = b"brigade-kv-v1"
+
+
+def block_hash(parent: bytes, tokens: Sequence[int], model_id: str) -> bytes:
+    mid = model_id.encode()
+    h = hashlib.sha256(_DOMAIN)
+    h.update(struct.pack("<I", len(mid)))
+    h.update(mid)
+    h.update(parent)
+    h.update(struct.pack(f"<I{len(tokens)}I", len(tokens), *tokens))
+    return h.digest()
+
+
+def chain_hashes(tokens: Sequence[int], block_size: int, model_id: str, parent: bytes = ROOT) -> list[bytes]:
+    """Hashes of every full block of `tokens` (a trailing partial block is not named)."""
+    out = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = block_hash(parent, tokens[start : start + block_size], model_id)
+        out.append(parent)
+    return out

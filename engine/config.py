@@ -1,0 +1,68 @@
+"""Typed configuration for the engine: one small frozen model per concern.
+
+Each component receives only its own sub-config. `EngineConfig` composes them and is
+built once (from CLI flags or a file) at the edge.
+"""
+from __future__ import annotations
+
+from enum import Enum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Role(str, Enum):
+    """What an engine does with a request.
+
+    mixed: prefill and decode in one engine. prefill: finish each request after its
+    first token and keep its KV blocks for export. decode: accept requests together
+    with their KV blocks and first token.
+    """
+
+    MIXED = "mixed"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class CacheConfig(_Frozen):
+    block_size: int = Field(16, ge=1, le=1024)
+    # Number of KV blocks in the device pool. None: size from `memory_fraction`
+    # of free device memory on CUDA, or from `cpu_kv_bytes` on CPU.
+    num_blocks: int | None = Field(None, ge=2)
+    cpu_kv_bytes: int = Field(1 << 30, ge=1 << 16)
+    memory_fraction: float = Field(0.85, gt=0.0, le=1.0)
+    enable_prefix_cache: bool = True
+
+
+class SchedulerConfig(_Frozen):
+    max_num_seqs: int = Field(128, ge=1)
+    # Tokens processed per step (prefill chunks + one per running decode).
+    max_num_batched_tokens: int = Field(2048, ge=16)
+    # Split long prompts into chunks that fit the step budget.
+    enable_chunked_prefill: bool = True
+
+
+class EngineConfig(_Frozen):
+    model: str = "tiny"
+    # Salts block hashes so two models never share prefix-cache entries; defaults to the
+    # preset name or the checkpoint directory's name.
+    model_id: str | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "auto"
+    role: Role = Role.MIXED
+    seed: int = 0
+    # Caps prompt + output length below the model's own limit when set.
+    max_model_len: int | None = Field(None, ge=1)
+    num_threads: int | None = Field(None, ge=1)
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        if self.cache.block_size > self.scheduler.max_num_batched_tokens:
+            raise ValueError("cache.block_size must not exceed scheduler.max_num_batched_tokens")
+        return self

@@ -1,0 +1,73 @@
+"""Builds an engine's collaborators from its config: model, KV pool, cache, scheduler, sampler."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig
+from engine.loader import load_model
+from engine.model_config import DTYPES, ModelConfig
+from engine.model_runner import ModelRunner, kv_cache_blocks
+from engine.presets import PRESETS, resolve_model
+from engine.radix_cache import RadixCache
+from engine.sampler import Sampler
+from engine.scheduler import Scheduler
+from engine.tokenizer import Tokenizer
+
+
+@dataclass
+class EngineParts:
+    model_id: str
+    model_config: ModelConfig
+    tokenizer: Tokenizer | None
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    runner: ModelRunner
+    pool: BlockPool
+    cache: RadixCache | None
+    scheduler: Scheduler
+    sampler: Sampler
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available; use --device cpu")
+    return device
+
+
+def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    # bf16/fp16 matmuls are very slow on most CPUs: compute in float32 there.
+    return DTYPES[model_cfg.torch_dtype] if device.type == "cuda" else torch.float32
+
+
+def model_id_for(cfg: EngineConfig, path: Path) -> str:
+    """The name block hashes are salted with: configured, a preset's name, or the directory's name."""
+    return cfg.model_id or (cfg.model if cfg.model in PRESETS else path.name)
+
+
+def build_parts(cfg: EngineConfig) -> EngineParts:
+    path = resolve_model(cfg.model)
+    model_cfg = ModelConfig.from_dir(path)
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, model_cfg, device)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    max_len = min(cfg.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
+    model = load_model(path, model_cfg, dtype, device)
+    num_blocks = kv_cache_blocks(cfg.cache, model_cfg, dtype, device)
+    runner = ModelRunner(model, model_cfg, num_blocks, cfg.cache.block_size, dtype, device)
+    pool = BlockPool(num_blocks)
+    cache = RadixCache(pool) if cfg.cache.enable_prefix_cache else None
+    model_id = model_id_for(cfg, path)
+    scheduler = Scheduler(cfg.scheduler, pool, cache, cfg.cache.block_size, model_id)
+    return EngineParts(model_id, model_cfg, Tokenizer.from_dir(path), device, dtype, max_len,
+                       runner, pool, cache, scheduler, Sampler(device, cfg.seed))

@@ -1,0 +1,267 @@
+"""LLMEngine: add_request / step / abort, plus generate() for offline use.
+
+Roles (engine.config.Role): a mixed engine runs requests start to finish. A prefill
+engine stops each request after its first token and holds its KV blocks until
+export_kv()/release(). A decode engine takes requests with their KV via reserve() +
+write_kv() + admit() (or import_kv() for all three) and continues them.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+
+import torch
+
+from engine.block_pool import BlockPool, NoFreeBlocks
+from engine.config import EngineConfig, Role
+from engine.engine_setup import EngineParts, build_parts
+from engine.outputs import KVExport, RequestOutput, Usage
+from engine.radix_cache import CacheStats
+from engine.sampling import InvalidRequest, SamplingParams, TokenLogprobs
+from engine.scheduler import ScheduledSeq
+from engine.sequence import Sequence, SequenceStatus
+from engine.tokenizer import IncrementalDetokenizer
+
+Prompt = str | Seq[int]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, parts: EngineParts | None = None):
+        self.config = config
+        p = parts or build_parts(config)
+        self.model_id, self.model_config, self.tokenizer = p.model_id, p.model_config, p.tokenizer
+        self.device, self.dtype, self.max_model_len = p.device, p.dtype, p.max_model_len
+        self.runner, self.pool, self.cache, self.scheduler, self.sampler = (
+            p.runner, p.pool, p.cache, p.scheduler, p.sampler)
+        self.block_size = config.cache.block_size
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.seqs: dict[str, Sequence] = {}
+        self.detoks: dict[str, IncrementalDetokenizer] = {}
+        self.prefilled: dict[str, Sequence] = {}
+        self.reservations: dict[str, list[int]] = {}
+        self._arrivals = itertools.count()
+
+    # -- requests ---------------------------------------------------------------
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequest("prompt", "this model has no tokenizer.json: send token ids")
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequest naming the field if the request can never run here."""
+        if not token_ids:
+            raise InvalidRequest("prompt", "prompt is empty")
+        bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise InvalidRequest("prompt", f"token id {bad[0]} is outside the vocabulary [0, {self.model_config.vocab_size})")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequest("prompt", f"prompt has {len(token_ids)} tokens; this model's context is "
+                                           f"{self.max_model_len} (prompt + output must fit)")
+        total = len(token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequest("max_tokens", f"prompt ({len(token_ids)}) + max_tokens ({params.max_tokens}) "
+                                               f"exceeds the context length {self.max_model_len}")
+        if -(-total // self.block_size) > self.pool.num_blocks:
+            raise InvalidRequest("max_tokens", f"needs {-(-total // self.block_size)} KV blocks; "
+                                               f"the pool has {self.pool.num_blocks}")
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.seqs or request_id in self.prefilled or request_id in self.reservations:
+            raise InvalidRequest("request_id", f"request {request_id!r} is already in this engine")
+        token_ids = self.tokenize(prompt)
+        self.validate(token_ids, params)
+        seq = Sequence(request_id, token_ids, params, next(self._arrivals))
+        self._track(seq)
+        self.scheduler.add(seq)
+
+    def _track(self, seq: Sequence, emitted: list[int] | None = None) -> None:
+        self.seqs[seq.request_id] = seq
+        detok = IncrementalDetokenizer(self.tokenizer)
+        if emitted:
+            detok.update(emitted)
+        self.detoks[seq.request_id] = detok
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is and free its blocks. None if unknown or done."""
+        if request_id in self.reservations:
+            self.pool.release(self.reservations.pop(request_id))
+        seq = self.prefilled.pop(request_id, None)
+        if seq is not None:
+            self.pool.release(seq.block_table)
+            seq.block_table = []
+        else:
+            seq = self.seqs.get(request_id)
+            if seq is None:
+                return None
+            self.scheduler.remove(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        return self._finish_output(seq, [])
+
+    # -- the loop ---------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch. Returns an output for every request that got a token."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        sampled = [s.seq for s in batch if s.samples]
+        logits = self.runner.run(batch)
+        self.scheduler.after_step(batch)
+        tokens, logprobs = self.sampler(logits, [q.params for q in sampled],
+                                        [q.num_tokens - q.num_prompt_tokens for q in sampled])
+        return [self._append(seq, t, lp) for seq, t, lp in zip(sampled, tokens, logprobs)]
+
+    def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
+        seq.token_ids.append(token)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+        detok = self.detoks[seq.request_id]
+        prev_text = detok.text
+        delta = detok.update(seq.output_token_ids)
+        reason = self._stop_reason(seq, token, detok)
+        if reason is not None:
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+            self.scheduler.remove(seq)
+            return self._finish_output(seq, [token], detok.text[len(prev_text):])
+        if self.config.role == Role.PREFILL:
+            self.scheduler.remove(seq, release=False)
+            seq.status = SequenceStatus.PREFILLED
+            self.prefilled[seq.request_id] = self.seqs.pop(seq.request_id)
+            self.detoks.pop(seq.request_id)
+            return self._output(seq, [token], delta, kv_ready=True)
+        return self._output(seq, [token], delta)
+
+    def _stop_reason(self, seq: Sequence, token: int, detok: IncrementalDetokenizer) -> str | None:
+        p = seq.params
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            return "stop"
+        if p.stop and detok.text:
+            window = max(map(len, p.stop)) + 16
+            start = max(0, len(detok.text) - window)
+            hits = [i for s in p.stop if (i := detok.text.find(s, start)) >= 0]
+            if hits:
+                detok.text = detok.text[: min(hits)]  # the stop string itself is not returned
+                return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, seq: Sequence, new: list[int], delta: str, kv_ready: bool = False) -> RequestOutput:
+        text = self.detoks[seq.request_id].text if seq.request_id in self.detoks else delta
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, token_ids=seq.output_token_ids,
+            new_token_ids=new, text=text, new_text=delta, finished=seq.is_finished,
+            finish_reason=seq.finish_reason, usage=self._usage(seq), logprobs=seq.logprobs, kv_ready=kv_ready,
+        )
+
+    def _finish_output(self, seq: Sequence, new: list[int], delta: str = "") -> RequestOutput:
+        out = self._output(seq, new, delta)
+        self.seqs.pop(seq.request_id, None)
+        self.detoks.pop(seq.request_id, None)
+        return out
+
+    def _usage(self, seq: Sequence) -> Usage:
+        return Usage(seq.num_prompt_tokens, len(seq.output_token_ids), seq.num_cached_tokens or 0)
+
+    # -- offline ----------------------------------------------------------------
+    def generate(self, prompts: Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
+                 progress: bool = False) -> list[RequestOutput]:
+        """Run all prompts concurrently through the batcher; outputs in input order."""
+        plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError("one SamplingParams per prompt, or a single one for all")
+        base = next(self._arrivals)
+        ids = [f"gen-{base}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        done: dict[str, RequestOutput] = {}
+        bar = _progress(len(ids)) if progress else None
+        while len(done) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    if bar:
+                        bar[0].advance(bar[1])
+        if bar:
+            bar[0].stop()
+        return [done[r] for r in ids]
+
+    # -- disaggregation: prefill side --------------------------------------------
+    def export_kv(self, request_id: str, release: bool = True) -> KVExport:
+        """Copy a prefilled request's KV blocks out; by default free them here too."""
+        seq = self.prefilled[request_id]
+        blocks = seq.block_table[: -(-seq.num_computed // self.block_size)]
+        kv = self.runner.kv_cache[:, :, blocks]  # (2, L, nb, bs, Hkv, hd), a copy
+        out = KVExport(request_id, seq.prompt_token_ids, seq.token_ids[-1], seq.num_computed, kv, blocks,
+                       seq.num_cached_tokens or 0, seq.logprobs[-1] if seq.logprobs else None)
+        if release:
+            self.release(request_id)
+        return out
+
+    def release(self, request_id: str) -> None:
+        seq = self.prefilled.pop(request_id)
+        self.pool.release(seq.block_table)
+        seq.block_table = []
+
+    # -- disaggregation: decode side ---------------------------------------------
+    def reserve(self, request_id: str, num_tokens: int) -> list[int]:
+        """Allocate blocks for an incoming request's KV before its payload arrives."""
+        if request_id in self.reservations or request_id in self.seqs:
+            raise InvalidRequest("request_id", f"request {request_id!r} is already in this engine")
+        blocks = self.pool.allocate(-(-num_tokens // self.block_size))
+        self.reservations[request_id] = blocks
+        return blocks
+
+    def write_kv(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        self.runner.kv_cache[:, :, block_ids] = kv.to(self.device, self.dtype)
+
+    def admit(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
+              params: SamplingParams, cached_tokens: int = 0,
+              first_logprobs: TokenLogprobs | None = None) -> None:
+        """Continue a prefilled request whose KV is already in its reserved blocks."""
+        self.validate(prompt_token_ids, params)
+        seq = Sequence(request_id, list(prompt_token_ids), params, next(self._arrivals),
+                       token_ids=list(prompt_token_ids) + [first_token_id],
+                       num_computed=len(prompt_token_ids), block_table=self.reservations.pop(request_id),
+                       num_cached_tokens=cached_tokens, status=SequenceStatus.WAITING)
+        if first_logprobs is not None:
+            seq.logprobs.append(first_logprobs)
+        self.scheduler.register_blocks(seq)
+        self._track(seq, [first_token_id])
+        self.scheduler.add(seq)
+
+    def import_kv(self, export: KVExport, params: SamplingParams) -> None:
+        blocks = self.reserve(export.request_id, export.num_tokens)
+        self.write_kv(blocks, export.kv)
+        self.admit(export.request_id, export.prompt_token_ids, export.first_token_id, params,
+                   export.cached_tokens, export.first_logprobs)
+
+    # -- introspection ----------------------------------------------------------
+    def stats(self) -> dict:
+        cs = self.cache.stats if self.cache else CacheStats()
+        return {
+            "num_blocks": self.pool.num_blocks, "free_blocks": self.pool.num_free,
+            "referenced_blocks": self.pool.num_referenced, "cached_blocks": len(self.cache) if self.cache else 0,
+            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "prefilled": len(self.prefilled), "reserved": len(self.reservations),
+            "preemptions": self.scheduler.num_preemptions,
+            "prefix_hit_rate": cs.hit_rate, "evicted_blocks": cs.evicted_blocks,
+        }
+
+
+def _progress(total: int):
+    from rich.progress import Progress
+
+    bar = Progress(transient=True)
+    bar.start()
+    return bar, bar.add_task("generating", total=total)
+
+
+__all__ = ["LLMEngine", "NoFreeBlocks", "BlockPool", "ScheduledSeq"]

@@ -1,0 +1,81 @@
+"""Owns the model and the KV cache on one device; turns a scheduled batch into logits."""
+from __future__ import annotations
+
+import torch
+
+from engine.config import CacheConfig
+from engine.model_config import ModelConfig
+from engine.models import CausalLM
+from engine.models.attention import AttentionMetadata, PrefillSpan
+from engine.scheduler import ScheduledSeq
+
+
+def kv_cache_blocks(cfg: CacheConfig, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
+    if cfg.num_blocks is not None:
+        return cfg.num_blocks
+    per_block = model_cfg.kv_bytes_per_token(dtype) * cfg.block_size
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * cfg.memory_fraction)
+    else:
+        budget = cfg.cpu_kv_bytes
+    return max(2, budget // per_block)
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, model_cfg: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        # Zeroed so padded decode slots hold finite values (masked, but NaN * 0 is NaN).
+        self.kv_cache = torch.zeros(
+            2, model_cfg.num_layers, num_blocks, block_size, model_cfg.num_kv_heads, model_cfg.head_dim,
+            dtype=dtype, device=device,
+        )  # (2, L, NB, bs, Hkv, hd)
+
+    @torch.inference_mode()
+    def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+        """Compute `batch` (decodes first) and return logits (N, V) for the rows that sample."""
+        input_ids, positions, meta, sample_rows = self._prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        return self.model.compute_logits(hidden[sample_rows])
+
+    def _prepare(self, batch: list[ScheduledSeq]):
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSpan] = []
+        for s in batch:
+            seq, start, n = s.seq, s.seq.num_computed, s.num_new_tokens
+            q_start = len(ids)
+            ids += seq.token_ids[start : start + n]
+            pos += range(start, start + n)
+            table = seq.block_table
+            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            if n == 1:
+                decode_tables.append(table[: -(-(start + 1) // bs)])
+                decode_lens.append(start + 1)
+            else:
+                nb = -(-(start + n) // bs)
+                prefills.append(PrefillSpan(q_start, n, start + n, self._tensor(table[:nb])))
+            if s.samples:
+                sample_rows.append(len(ids) - 1)
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots), block_size=bs, prefills=prefills,
+                                 num_decodes=len(decode_tables))
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in decode_tables])
+            if min(decode_lens) != width * bs:
+                lens = self._tensor(decode_lens)
+                keys = torch.arange(width * bs, device=self.device)
+                meta.decode_mask = (keys[None, :] < lens[:, None])[:, None, None, :]  # (D, 1, 1, S)
+        return self._tensor(ids), self._tensor(pos), meta, self._tensor(sample_rows)
+
+    def _tensor(self, values) -> torch.Tensor:
+        t = torch.tensor(values, dtype=torch.long)
+        return t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t

@@ -1,0 +1,3 @@
+from engine.models.decoder import CausalLM
+
+__all__ = ["CausalLM"]

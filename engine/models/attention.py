@@ -1,0 +1,88 @@
+"""Attention over the paged KV cache.
+
+The batch packs tokens as [decode tokens (one per sequence) | prefill chunks]. New K/V are
+written into the cache at `slot_mapping`; every query then reads its sequence's keys
+through its block table, so prefix-cached and chunk-continued prompts see their history.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    q_start: int  # offset of this chunk's first token in the packed batch
+    q_len: int
+    context_len: int  # tokens with KV after this chunk (cached + earlier chunks + this one)
+    block_table: torch.Tensor  # (nb,) block ids covering context_len
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs about the batch; built by ModelRunner, read-only here."""
+
+    slot_mapping: torch.Tensor  # (T,) flat cache slot of each new token
+    block_size: int
+    num_decodes: int = 0
+    decode_block_tables: torch.Tensor | None = None  # (D, MB), padded with block 0
+    decode_mask: torch.Tensor | None = None  # (D, 1, 1, MB*bs) True where a key is real
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    # caches: (NB, bs, Hkv, hd); k, v: (T, Hkv, hd)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: (T, H, hd), k/v: (T, Hkv, hd) for the new tokens. Returns (T, H, hd)."""
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    if meta.num_decodes:
+        out[: meta.num_decodes] = _decode(q[: meta.num_decodes], k_cache, v_cache, meta, scale)
+    for span in meta.prefills:
+        s = slice(span.q_start, span.q_start + span.q_len)
+        out[s] = _prefill(q[s], k[s], v[s], k_cache, v_cache, span, scale)
+    return out
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    # (NB, bs, Hkv, hd)[(..., nb)] -> (..., nb*bs, Hkv, hd)
+    g = cache[block_table]
+    return g.reshape(*g.shape[:-4], g.shape[-4] * g.shape[-3], *g.shape[-2:])
+
+
+def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    d, h, hd = q.shape
+    hkv = k_cache.shape[2]
+    keys = _gather(k_cache, meta.decode_block_tables).transpose(1, 2)  # (D, Hkv, S, hd)
+    vals = _gather(v_cache, meta.decode_block_tables).transpose(1, 2)
+    # One query per sequence: the heads sharing a KV head become rows of that head's
+    # query matrix, so GQA needs no repeated keys.
+    qg = q.view(d, hkv, h // hkv, hd)  # (D, Hkv, G, hd)
+    out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=meta.decode_mask, scale=scale)
+    return out.reshape(d, h, hd)
+
+
+def _prefill(q, k, v, k_cache, v_cache, span: PrefillSpan, scale: float) -> torch.Tensor:
+    t, h, hd = q.shape
+    if span.context_len == span.q_len:  # no history: attend to this chunk's own K/V
+        keys, vals, mask, causal = k, v, None, True
+    else:
+        keys = _gather(k_cache, span.block_table)[: span.context_len]  # (S, Hkv, hd)
+        vals = _gather(v_cache, span.block_table)[: span.context_len]
+        # Query i sits at absolute position context_len - q_len + i (bottom-right causal).
+        qpos = torch.arange(span.context_len - t, span.context_len, device=q.device)
+        mask = torch.arange(span.context_len, device=q.device)[None, :] <= qpos[:, None]  # (t, S)
+        causal = False
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),
+        attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
+    )  # (H, t, hd)
+    return out.transpose(0, 1)

@@ -1,0 +1,77 @@
+"""One decoder-only model covering Llama, Qwen3 and Qwen3-MoE (they differ in q/k norm and MLP)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.model_config import ModelConfig
+from engine.models.attention import AttentionMetadata, paged_attention
+from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, SparseMoE
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_size, self.kv_size = q, kv
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x, positions, rotary: RotaryEmbedding, k_cache, v_cache, meta: AttentionMetadata):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # (T, H, hd)
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, hd)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, H, hd)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        if cfg.is_moe_layer(layer):
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                                 cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, rotary, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, k_cache, v_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """forward() maps packed tokens to hidden states; compute_logits() applies the LM head."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        # input_ids, positions: (T,); kv_cache: (2, L, NB, bs, Hkv, hd)
+        x = self.embed_tokens(input_ids)  # (T, hidden)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, self.rotary, kv_cache[0, i], kv_cache[1, i], meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # (N, V)

@@ -1,0 +1,118 @@
+"""Building blocks shared by the decoder models, written for one device.
+
+Op order follows transformers' Llama/Qwen3 code so float32 results agree to rounding.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 whatever the activation dtype, as the reference does.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor
+    # Llama 3: leave high frequencies alone, divide low ones by `factor`, interpolate between.
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables indexed by absolute position (no per-step trig)."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # (P, hd)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # q: (T, H, hd), k: (T, Hkv, hd), positions: (T,)
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # (T, 1, hd)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU with gate and up projections fused into one matmul."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed experts (Qwen3-MoE). Experts are stacked: w13 (E, 2I, H), w2 (E, H, I)."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float)  # (T, E)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # (T, k)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.route(x)
+        out = torch.zeros_like(x)
+        flat = experts.flatten()  # (T*k,)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()
+        token_of = order // self.top_k  # token index of each sorted assignment
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            idx = order[start : start + n]
+            tok = token_of[start : start + n]
+            start += n
+            gate, up = F.linear(x[tok], self.w13[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w2[e])  # (n, H)
+            out.index_add_(0, tok, y * weights.flatten()[idx, None])
+        return out

@@ -1,0 +1,50 @@
+"""Typed results the engine hands to its callers."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling import TokenLogprobs
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step. `new_token_ids` are the tokens produced by this step."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    new_token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    usage: Usage
+    logprobs: list[TokenLogprobs] | None = None
+    new_text: str = ""
+    kv_ready: bool = False  # prefill role: first token sampled, KV waiting for export_kv()
+
+
+@dataclass
+class KVExport:
+    """A prefilled request's KV, handed from a prefill-role engine to a decode-role one.
+
+    `kv` is (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim) on the
+    exporting engine's device; only the first `num_tokens` token slots are meaningful.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    first_token_id: int
+    num_tokens: int
+    kv: torch.Tensor
+    block_ids: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    first_logprobs: TokenLogprobs | None = None

@@ -1,0 +1,83 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+
+A seeded request draws its noise from a generator keyed by (seed, output position), so
+its tokens do not depend on which other requests share the batch, nor on preemption.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.sampling import SamplingParams, TokenLogprobs
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int):
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 positions: list[int]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits: (N, V) float32; positions: each row's output index (for seeding).
+
+        Returns the sampled token per row and, where asked for, its logprobs.
+        """
+        greedy = logits.argmax(dim=-1)  # (N,)
+        tokens = greedy
+        if not all(p.greedy for p in params):
+            tokens = torch.where(
+                torch.tensor([p.greedy for p in params], device=logits.device),
+                greedy, self._sample(logits, params, positions),
+            )
+        token_list = tokens.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(params)
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if want:
+            lp = torch.log_softmax(logits[want], dim=-1)  # (W, V), of the raw model distribution
+            n = max(params[i].logprobs for i in want)
+            top_v, top_i = lp.topk(max(n, 1), dim=-1)
+            chosen = lp.gather(1, tokens[want].unsqueeze(1)).squeeze(1).tolist()
+            top_v, top_i = top_v.tolist(), top_i.tolist()
+            for row, i in enumerate(want):
+                k = params[i].logprobs
+                logprobs[i] = TokenLogprobs(token_list[i], chosen[row], list(zip(top_i[row][:k], top_v[row][:k])))
+        return token_list, logprobs
+
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> torch.Tensor:
+        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                             device=logits.device).unsqueeze(1)
+        probs = torch.softmax(_filter(logits / temps, params), dim=-1)  # (N, V)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p.
+        noise = torch.empty_like(probs)
+        for i, p in enumerate(params):
+            gen = self.generator
+            if p.seed is not None:
+                gen = torch.Generator(device=probs.device).manual_seed(_mix(p.seed, positions[i]))
+            noise[i].exponential_(generator=gen)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Mask tokens outside top-k, the top-p nucleus or below min-p with -inf."""
+    top_k = [p.top_k if p.top_k > 0 else logits.shape[1] for p in params]
+    if all(k >= logits.shape[1] for k in top_k) and all(p.top_p >= 1 and p.min_p <= 0 for p in params):
+        return logits
+    dev = logits.device
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (N, V)
+    ranks = torch.arange(logits.shape[1], device=dev).unsqueeze(0)
+    drop = ranks >= torch.tensor(top_k, device=dev).unsqueeze(1)
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    # Nucleus: keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    before = probs.cumsum(dim=-1) - probs
+    drop |= before >= torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1)
+    drop |= probs < torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1) * probs[:, :1]
+    drop[:, 0] = False
+    mask = torch.zeros_like(drop).scatter(1, order, drop)
+    return logits.masked_fill(mask, float("-inf"))
+
+
+def _mix(seed: int, position: int) -> int:
+    # SplitMix64-style mixing so nearby (seed, position) pairs give unrelated streams.
+    x = (seed * 0x9E3779B97F4A7C15 + position + 1) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF

@@ -1,0 +1,160 @@
+"""Continuous batching with chunked prefill, a prefix cache and preemption by recompute.
+
+Each step: running sequences first (decodes and unfinished prompt chunks, oldest first),
+then waiting ones while the token budget, the sequence cap and free blocks allow. When a
+running sequence needs a block and none is free, the newest running sequence is
+preempted: its blocks are released (full ones stay in the prefix cache) and it waits to
+be recomputed.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.block_pool import BlockPool
+from engine.config import SchedulerConfig
+from engine.radix_cache import RadixCache
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens to compute this step, from seq.num_computed on
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the sequence's tokens, so a token is sampled."""
+        return self.seq.num_computed + self.num_new_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, pool: BlockPool, cache: RadixCache | None,
+                 block_size: int, model_id: str):
+        self.cfg = cfg
+        self.pool = pool
+        self.cache = cache
+        self.block_size = block_size
+        self.model_id = model_id
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        """Choose this step's work and allocate its blocks. Decodes (one new token) come first."""
+        budget = self.cfg.max_num_batched_tokens
+        batch: list[ScheduledSeq] = []
+        preempted = self._schedule_running(batch, budget)
+        budget -= sum(s.num_new_tokens for s in batch)
+        if not preempted:
+            self._schedule_waiting(batch, budget)
+        batch.sort(key=lambda s: s.num_new_tokens != 1)
+        return batch
+
+    def _schedule_running(self, batch: list[ScheduledSeq], budget: int) -> bool:
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = self._chunk(seq.num_tokens - seq.num_computed, budget)
+            if n == 0:
+                i += 1
+                continue
+            need = self._blocks_needed(seq, n)
+            while not self.pool.can_allocate(need) and self.running[-1] is not seq:
+                self._preempt(self.running.pop())
+                preempted = True
+            if not self.pool.can_allocate(need):
+                self._preempt(self.running.pop(i))
+                preempted = True
+                continue
+            seq.block_table += self.pool.allocate(need)
+            batch.append(ScheduledSeq(seq, n))
+            budget -= n
+            i += 1
+        return preempted
+
+    def _schedule_waiting(self, batch: list[ScheduledSeq], budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            hit = self._match_prefix(seq) if not seq.block_table else []
+            computed = len(hit) * self.block_size if hit else seq.num_computed
+            n = self._chunk(seq.num_tokens - computed, budget)
+            if n == 0:
+                break
+            self.pool.ref(hit)
+            need = -(-(computed + n) // self.block_size) - len(hit) - len(seq.block_table)
+            if not self.pool.can_allocate(need):
+                self.pool.release(hit)
+                break
+            if hit:
+                seq.block_table = hit
+                seq.num_computed = computed
+                seq.num_registered_blocks = len(hit)
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = computed
+            seq.block_table += self.pool.allocate(need)
+            seq.status = SequenceStatus.RUNNING
+            self.waiting.popleft()
+            self.running.append(seq)
+            batch.append(ScheduledSeq(seq, n))
+            budget -= n
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        if remaining <= budget:
+            return remaining
+        return budget if self.cfg.enable_chunked_prefill else 0
+
+    def _match_prefix(self, seq: Sequence) -> list[int]:
+        if self.cache is None:
+            return []
+        hashes = seq.update_block_hashes(self.block_size, self.model_id)
+        # Leave at least the last token to compute: its logits give the next token.
+        usable = (seq.num_tokens - 1) // self.block_size
+        return self.cache.match(hashes[:usable])
+
+    def _blocks_needed(self, seq: Sequence, n: int) -> int:
+        return max(0, -(-(seq.num_computed + n) // self.block_size) - len(seq.block_table))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.pool.release(seq.block_table)
+        seq.block_table = []
+        seq.num_computed = 0
+        seq.num_registered_blocks = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def after_step(self, batch: list[ScheduledSeq]) -> None:
+        """Record computed tokens and offer newly completed full blocks to the prefix cache."""
+        for s in batch:
+            s.seq.num_computed += s.num_new_tokens
+            self.register_blocks(s.seq)
+
+    def register_blocks(self, seq: Sequence) -> None:
+        if self.cache is None:
+            return
+        full = seq.num_computed // self.block_size
+        if full <= seq.num_registered_blocks:
+            return
+        hashes = seq.update_block_hashes(self.block_size, self.model_id)
+        for i in range(seq.num_registered_blocks, full):
+            self.cache.insert(hashes[i - 1] if i else self.cache.root.hash, hashes[i], seq.block_table[i])
+        seq.num_registered_blocks = full
+
+    def remove(self, seq: Sequence, release: bool = True) -> None:
+        """Take a sequence out of scheduling; release its blocks unless the caller keeps them."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if release:
+            self.pool.release(seq.block_table)
+            seq.block_table = []

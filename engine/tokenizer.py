@@ -1,0 +1,70 @@
+"""The checkpoint's tokenizer (tokenizer.json) and chat template, plus incremental detokenizing."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class Tokenizer:
+    def __init__(self, path: Path):
+        self._tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        cfg_file = path / "tokenizer_config.json"
+        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        self.chat_template: str | None = cfg.get("chat_template")
+        self.bos_token = _token_text(cfg.get("bos_token"))
+        self.eos_token = _token_text(cfg.get("eos_token"))
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_dir(cls, path: Path) -> Tokenizer | None:
+        """None when the checkpoint ships no tokenizer (token-id prompts still work)."""
+        return cls(path) if (path / "tokenizer.json").is_file() else None
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("this model's tokenizer_config.json has no chat_template; send a plain prompt")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+        env.globals["raise_exception"] = _raise
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+        )
+
+
+class IncrementalDetokenizer:
+    """Text of a growing token list, emitted in deltas that never split a UTF-8 character."""
+
+    def __init__(self, tokenizer: Tokenizer | None):
+        self.tokenizer = tokenizer
+        self.text = ""
+
+    def update(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        full = self.tokenizer.decode(token_ids)
+        if full.endswith("\ufffd"):  # an incomplete byte sequence: wait for the next token
+            return ""
+        delta = full[len(self.text):] if full.startswith(self.text) else full
+        self.text = full
+        return delta
+
+
+def _token_text(tok) -> str | None:
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok
+
+
+def _raise(message: str):
+    raise ValueError(message)
