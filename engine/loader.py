@@ -55,8 +55,6 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
     with torch.device("meta"):
         model = CausalLM(cfg)
     model = model.to_empty(device=device).to(dtype)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
     # Tables are computed in float32 on the device (to_empty left them uninitialised).
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                    cfg.rope_scaling).to(device)
@@ -64,12 +62,27 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
     filled: dict[str, int] = {}
     for hf_name, tensor in iter_tensors(checkpoint_files(path), device):
         for name, fill in _targets(hf_name, cfg):
-            if name not in params:
+            dst = _destination(params, name)
+            if dst is None:
                 raise CheckpointError(f"unexpected tensor {hf_name!r} for a {cfg.architecture} model")
-            fill(params[name].data, tensor, hf_name)
+            fill(dst, tensor, hf_name)
             filled[name] = filled.get(name, 0) + 1
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight_t.data.copy_(model.embed_tokens.weight.data.t())
+        filled["lm_head.weight"] = 1
     _check_complete(model, cfg, filled)
     return model.eval()
+
+
+def _destination(params: dict[str, torch.nn.Parameter], name: str) -> torch.Tensor | None:
+    """The tensor to fill for an HF-named weight; our Linear stores weights transposed."""
+    if name in params:
+        return params[name].data
+    if name.endswith(".weight") and (t := params.get(name[: -len("weight")] + "weight_t")) is not None:
+        return t.data.t()  # (out, in) view of the (in, out) storage
+    if name.endswith((".w13", ".w2")) and name in params:
+        return params[name].data
+    return None
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
@@ -88,10 +101,14 @@ def _slice_fill(shard: int, sizes: list[int]):
 
 
 def _expert_fill(expert: int, start: int, size: int):
-    def fill(dst, src, name):
-        _copy(dst[expert].narrow(0, start, size), src, name)
+    def fill(dst, src, name):  # dst: (E, in, out); src: (out, in)
+        _copy(dst[expert].t().narrow(0, start, size), src, name)
 
     return fill
+
+
+def _fused_expert_fill(dst, src, name):  # transformers 5 layout (E, out, in)
+    _copy(dst, src.transpose(1, 2), name)
 
 
 def _targets(hf: str, cfg: ModelConfig):
@@ -110,7 +127,7 @@ def _targets(hf: str, cfg: ModelConfig):
             yield f"{prefix}.w13", _expert_fill(expert, 0 if proj == "gate_proj" else inter, inter)
         return
     if m := _FUSED_EXPERT.match(name):  # transformers 5 in-memory layout
-        yield f"{m.group(1)}.{'w13' if m.group(2) == 'gate_up_proj' else 'w2'}", _copy
+        yield f"{m.group(1)}.{'w13' if m.group(2) == 'gate_up_proj' else 'w2'}", _fused_expert_fill
         return
     parts = name.split(".")
     if len(parts) >= 2 and parts[-2] in _PACKED:
@@ -124,13 +141,16 @@ def _targets(hf: str, cfg: ModelConfig):
 
 
 def _check_complete(model: CausalLM, cfg: ModelConfig, filled: dict[str, int]) -> None:
-    expected = {"qkv_proj": 3, "gate_up_proj": 2, "w13": 2 * cfg.num_experts, "w2": cfg.num_experts}
+    """Every parameter got all its shards (fused expert tensors fill all experts at once)."""
+    shards = {"qkv_proj": 3, "gate_up_proj": 2, "w13": 2 * cfg.num_experts, "w2": cfg.num_experts}
     missing = []
     for name, _ in model.named_parameters():
-        need = expected.get(name.split(".")[-2] if name.endswith(("weight", "bias")) else name.split(".")[-1], 1)
-        got = filled.get(name, 0)
-        # A fused expert tensor fills all experts at once.
-        if got < need and not (name.endswith(("w13", "w2")) and got == 1):
+        key = name.removesuffix("_t")  # filled is keyed by the HF-style ".weight" name
+        parts = key.split(".")
+        need = shards.get(parts[-2] if parts[-1] in ("weight", "bias") else parts[-1], 1)
+        got = filled.get(key, 0)
+        if got < need and not (parts[-1] in ("w13", "w2") and got == 1):
             missing.append(name)
     if missing:
-        raise CheckpointError(f"checkpoint is missing weights for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        more = " ..." if len(missing) > 8 else ""
+        raise CheckpointError(f"checkpoint is missing weights for: {missing[:8]}{more}")

@@ -11,6 +11,23 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class Linear(nn.Module):
+    """y = x @ weight_t + bias, with the weight stored (in, out).
+
+    On CPU a batch-1 GEMV streams this layout about twice as fast as nn.Linear's
+    (out, in) (measured: ~20 vs ~9 GB/s), and decode is bandwidth-bound.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.weight_t
+        return y + self.bias if self.bias is not None else y
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -72,8 +89,8 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate)
+        self.down_proj = Linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -81,13 +98,13 @@ class GatedMLP(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Top-k routed experts (Qwen3-MoE). Experts are stacked: w13 (E, 2I, H), w2 (E, H, I)."""
+    """Top-k routed experts (Qwen3-MoE). Experts are stacked (in, out): w13 (E, H, 2I), w2 (E, I, H)."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, norm_topk_prob: bool):
         super().__init__()
-        self.gate = nn.Linear(hidden, num_experts, bias=False)
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.gate = Linear(hidden, num_experts)
+        self.w13 = nn.Parameter(torch.empty(num_experts, hidden, 2 * intermediate))
+        self.w2 = nn.Parameter(torch.empty(num_experts, intermediate, hidden))
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
 
@@ -112,7 +129,7 @@ class SparseMoE(nn.Module):
             idx = order[start : start + n]
             tok = token_of[start : start + n]
             start += n
-            gate, up = F.linear(x[tok], self.w13[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2[e])  # (n, H)
+            gate, up = (x[tok] @ self.w13[e]).chunk(2, dim=-1)
+            y = (F.silu(gate) * up) @ self.w2[e]  # (n, H)
             out.index_add_(0, tok, y * weights.flatten()[idx, None])
         return out
