@@ -42,6 +42,7 @@ class LLMEngine:
         self.prefilled: dict[str, Sequence] = {}
         self.reservations: dict[str, list[int]] = {}
         self._arrivals = itertools.count()
+        self._pending: list[RequestOutput] = []  # finished outside step(), reported by the next step()
 
     # -- requests ---------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -57,7 +58,8 @@ class LLMEngine:
             raise InvalidRequest("prompt", "prompt is empty")
         bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
-            raise InvalidRequest("prompt", f"token id {bad[0]} is outside the vocabulary [0, {self.model_config.vocab_size})")
+            vocab = self.model_config.vocab_size
+            raise InvalidRequest("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequest("prompt", f"prompt has {len(token_ids)} tokens; this model's context is "
                                            f"{self.max_model_len} (prompt + output must fit)")
@@ -75,6 +77,11 @@ class LLMEngine:
             raise InvalidRequest("request_id", f"request {request_id!r} is already in this engine")
         token_ids = self.tokenize(prompt)
         self.validate(token_ids, params)
+        sched = self.config.scheduler
+        if not sched.enable_chunked_prefill and len(token_ids) > sched.max_num_batched_tokens:
+            # Unchunked, such a prompt would wait forever for a step big enough to hold it.
+            raise InvalidRequest("prompt", f"prompt has {len(token_ids)} tokens; with chunked prefill off a "
+                                           f"step computes at most {sched.max_num_batched_tokens}")
         seq = Sequence(request_id, token_ids, params, next(self._arrivals))
         self._track(seq)
         self.scheduler.add(seq)
@@ -82,12 +89,13 @@ class LLMEngine:
     def _track(self, seq: Sequence, emitted: list[int] | None = None) -> None:
         self.seqs[seq.request_id] = seq
         detok = IncrementalDetokenizer(self.tokenizer)
-        if emitted:
+        if emitted:  # the prefill side already streamed this text (less the same holdback)
             detok.update(emitted)
+            detok.take(_holdback(seq.params))
         self.detoks[seq.request_id] = detok
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._pending)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is and free its blocks. None if unknown or done."""
@@ -108,28 +116,29 @@ class LLMEngine:
     # -- the loop ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch. Returns an output for every request that got a token."""
+        ready, self._pending = self._pending, []
         batch = self.scheduler.schedule()
         if not batch:
-            return []
+            return ready
         sampled = [s.seq for s in batch if s.samples]
         logits = self.runner.run(batch)
         self.scheduler.after_step(batch)
         tokens, logprobs = self.sampler(logits, [q.params for q in sampled],
                                         [q.num_tokens - q.num_prompt_tokens for q in sampled])
-        return [self._append(seq, t, lp) for seq, t, lp in zip(sampled, tokens, logprobs)]
+        return ready + [self._append(seq, t, lp) for seq, t, lp in zip(sampled, tokens, logprobs)]
 
     def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
         seq.token_ids.append(token)
         if logprobs is not None:
             seq.logprobs.append(logprobs)
         detok = self.detoks[seq.request_id]
-        prev_text = detok.text
-        delta = detok.update(seq.output_token_ids)
+        detok.update(seq.output_token_ids)
         reason = self._stop_reason(seq, token, detok)
+        delta = detok.take(0 if reason else _holdback(seq.params))
         if reason is not None:
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
             self.scheduler.remove(seq)
-            return self._finish_output(seq, [token], detok.text[len(prev_text):])
+            return self._finish_output(seq, [token], delta)
         if self.config.role == Role.PREFILL:
             self.scheduler.remove(seq, release=False)
             seq.status = SequenceStatus.PREFILLED
@@ -185,7 +194,7 @@ class LLMEngine:
         bar = _progress(len(ids)) if progress else None
         while len(done) < len(ids):
             for out in self.step():
-                if out.finished:
+                if out.finished or out.kv_ready:
                     done[out.request_id] = out
                     if bar:
                         bar[0].advance(bar[1])
@@ -225,8 +234,16 @@ class LLMEngine:
     def admit(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
               params: SamplingParams, cached_tokens: int = 0,
               first_logprobs: TokenLogprobs | None = None) -> None:
-        """Continue a prefilled request whose KV is already in its reserved blocks."""
-        self.validate(prompt_token_ids, params)
+        """Continue a prefilled request whose KV is already in its reserved blocks.
+
+        A request the first token already finishes (EOS, max_tokens=1) is reported by the
+        next step() and its blocks are freed; a refused one frees its reservation.
+        """
+        try:
+            self.validate(prompt_token_ids, params)
+        except InvalidRequest:
+            self.pool.release(self.reservations.pop(request_id, []))
+            raise
         seq = Sequence(request_id, list(prompt_token_ids), params, next(self._arrivals),
                        token_ids=list(prompt_token_ids) + [first_token_id],
                        num_computed=len(prompt_token_ids), block_table=self.reservations.pop(request_id),
@@ -235,9 +252,17 @@ class LLMEngine:
             seq.logprobs.append(first_logprobs)
         self.scheduler.register_blocks(seq)
         self._track(seq, [first_token_id])
+        reason = self._stop_reason(seq, first_token_id, self.detoks[request_id])
+        if reason is not None:
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+            self.pool.release(seq.block_table)
+            seq.block_table = []
+            self._pending.append(self._finish_output(seq, []))
+            return
         self.scheduler.add(seq)
 
     def import_kv(self, export: KVExport, params: SamplingParams) -> None:
+        self.validate(export.prompt_token_ids, params)
         blocks = self.reserve(export.request_id, export.num_tokens)
         self.write_kv(blocks, export.kv)
         self.admit(export.request_id, export.prompt_token_ids, export.first_token_id, params,
@@ -256,10 +281,16 @@ class LLMEngine:
         }
 
 
+def _holdback(params: SamplingParams) -> int:
+    """Characters of text kept back while a stop string could still be completing."""
+    return max(map(len, params.stop)) - 1 if params.stop else 0
+
+
 def _progress(total: int):
+    from rich.console import Console
     from rich.progress import Progress
 
-    bar = Progress(transient=True)
+    bar = Progress(console=Console(stderr=True), transient=True)  # stdout carries the outputs
     bar.start()
     return bar, bar.add_task("generating", total=total)
 

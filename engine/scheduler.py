@@ -62,7 +62,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self._chunk(seq.num_tokens - seq.num_computed, budget)
+            n = self._chunk(seq, seq.num_tokens - seq.num_computed, budget)
             if n == 0:
                 i += 1
                 continue
@@ -85,7 +85,7 @@ class Scheduler:
             seq = self.waiting[0]
             hit = self._match_prefix(seq) if not seq.block_table else []
             computed = len(hit) * self.block_size if hit else seq.num_computed
-            n = self._chunk(seq.num_tokens - computed, budget)
+            n = self._chunk(seq, seq.num_tokens - computed, budget)
             if n == 0:
                 break
             self.pool.ref(hit)
@@ -106,10 +106,12 @@ class Scheduler:
             batch.append(ScheduledSeq(seq, n))
             budget -= n
 
-    def _chunk(self, remaining: int, budget: int) -> int:
+    def _chunk(self, seq: Sequence, remaining: int, budget: int) -> int:
         if remaining <= budget:
             return remaining
-        return budget if self.cfg.enable_chunked_prefill else 0
+        # A preempted sequence's recompute (prompt + outputs) may outgrow any one step, so it
+        # is chunked even when prompts are not.
+        return budget if self.cfg.enable_chunked_prefill or seq.num_preemptions else 0
 
     def _match_prefix(self, seq: Sequence) -> list[int]:
         if self.cache is None:
@@ -146,6 +148,11 @@ class Scheduler:
             return
         hashes = seq.update_block_hashes(self.block_size, self.model_id)
         for i in range(seq.num_registered_blocks, full):
+            # Only extend our own cached chain. If our copy of the parent block stayed private
+            # (another sequence cached that hash first), a child hung under the other copy would
+            # keep it from being evicted while counted as evictable.
+            if i and self.cache.by_block.get(seq.block_table[i - 1]) is not self.cache.by_hash.get(hashes[i - 1]):
+                break
             self.cache.insert(hashes[i - 1] if i else self.cache.root.hash, hashes[i], seq.block_table[i])
         seq.num_registered_blocks = full
 

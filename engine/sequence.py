@@ -60,5 +60,6 @@ class Sequence:
         while len(self.block_hashes) < full:
             i = len(self.block_hashes)
             parent = self.block_hashes[-1] if self.block_hashes else ROOT
-            self.block_hashes.append(block_hash(parent, self.token_ids[i * block_size : (i + 1) * block_size], model_id))
+            tokens = self.token_ids[i * block_size : (i + 1) * block_size]
+            self.block_hashes.append(block_hash(parent, tokens, model_id))
         return self.block_hashes

@@ -43,21 +43,27 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Text of a growing token list, emitted in deltas that never split a UTF-8 character."""
+    """Text of a growing token list, handed out in deltas that never split a UTF-8 character
+    and, while a stop string might be forming, hold back its possible start."""
 
     def __init__(self, tokenizer: Tokenizer | None):
         self.tokenizer = tokenizer
         self.text = ""
+        self.emitted = 0  # characters of `text` already handed out
 
-    def update(self, token_ids: list[int]) -> str:
+    def update(self, token_ids: list[int]) -> None:
         if self.tokenizer is None:
-            return ""
+            return
         full = self.tokenizer.decode(token_ids)
-        if full.endswith("\ufffd"):  # an incomplete byte sequence: wait for the next token
-            return ""
-        delta = full[len(self.text):] if full.startswith(self.text) else full
-        self.text = full
-        return delta
+        if not full.endswith("\ufffd"):  # an incomplete byte sequence: wait for the next token
+            self.text = full
+
+    def take(self, holdback: int = 0) -> str:
+        """Text not handed out yet, keeping the last `holdback` characters back."""
+        start = min(self.emitted, len(self.text))
+        upto = max(start, len(self.text) - holdback)
+        self.emitted = upto
+        return self.text[start:upto]
 
 
 def _token_text(tok) -> str | None:

@@ -37,3 +37,40 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+class HFCheckpoints:
+    """Random-weight transformers checkpoints (tests/helpers.HF_SPECS), each saved once per session."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._paths: dict[tuple[str, str], Path] = {}
+
+    def get(self, name: str, variant: str = "", **save_kwargs) -> Path:
+        """The directory for `name`; a distinct `variant` key saves the same weights differently."""
+        from helpers import save_hf_model
+
+        key = (name, variant)
+        if key not in self._paths:
+            self._paths[key] = save_hf_model(name, self.root / f"{name}{'-' + variant if variant else ''}",
+                                             **save_kwargs)
+        return self._paths[key]
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> HFCheckpoints:
+    return HFCheckpoints(tmp_path_factory.mktemp("hf-checkpoints"))
+
+
+@pytest.fixture(scope="session")
+def torch_single_thread() -> Iterator[None]:
+    """One intra-op thread for tiny-model tests: on a shared 2-core machine, torch's thread pool
+    spends far longer synchronising than computing (measured ~50x slower under load)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

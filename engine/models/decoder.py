@@ -6,7 +6,7 @@ from torch import nn
 
 from engine.model_config import ModelConfig
 from engine.models.attention import AttentionMetadata, paged_attention
-from engine.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, SparseMoE
+from engine.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, SparseMoE, apply_rotary
 
 
 class Attention(nn.Module):
@@ -21,7 +21,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x, positions, rotary: RotaryEmbedding, k_cache, v_cache, meta: AttentionMetadata):
+    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], k_cache, v_cache, meta: AttentionMetadata):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # (T, H, hd)
@@ -29,7 +29,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, H, hd)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -46,8 +46,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rotary, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, k_cache, v_cache, meta)
+    def forward(self, x, rope, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -69,8 +69,9 @@ class CausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         # input_ids, positions: (T,); kv_cache: (2, L, NB, bs, Hkv, hd)
         x = self.embed_tokens(input_ids)  # (T, hidden)
+        rope = self.rotary.tables(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rotary, kv_cache[0, i], kv_cache[1, i], meta)
+            x = layer(x, rope, kv_cache[0, i], kv_cache[1, i], meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

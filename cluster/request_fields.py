@@ -1,0 +1,52 @@
+"""Sampling fields from untyped JSON (a prompts-file line, an HTTP body) into SamplingParams.
+
+SamplingParams checks ranges; the type checks JSON needs come first here, so a string where
+a number belongs is an InvalidRequest naming the field, never a TypeError. A null field
+means "use the default", as OpenAI clients send it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+from engine.sampling import InvalidRequest, SamplingParams
+
+# Field -> the JSON types it accepts (bool is excluded from numbers explicitly below).
+SAMPLING_FIELDS: dict[str, str] = {
+    "max_tokens": "int", "temperature": "number", "top_p": "number", "top_k": "int",
+    "min_p": "number", "seed": "int", "stop": "strings", "ignore_eos": "bool",
+}
+
+
+def _convert(name: str, value: Any) -> Any:
+    kind = SAMPLING_FIELDS[name]
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if kind == "int" and is_int:
+        return value
+    if kind == "number" and (is_int or isinstance(value, float)):
+        return float(value)
+    if kind == "bool" and isinstance(value, bool):
+        return value
+    if kind == "strings":
+        if isinstance(value, str):
+            return (value,)
+        if isinstance(value, list) and all(isinstance(s, str) for s in value):
+            return tuple(value)
+        raise InvalidRequest(name, f"must be a string or a list of strings, got {value!r}")
+    expected = {"int": "an integer", "number": "a number", "bool": "true or false"}[kind]
+    raise InvalidRequest(name, f"must be {expected}, got {value!r}")
+
+
+def sampling_params(fields: dict[str, Any], base: SamplingParams, allowed: Iterable[str]) -> SamplingParams:
+    """`base` with the `allowed` fields present in `fields` replaced; raises InvalidRequest."""
+    updates = {name: _convert(name, fields[name]) for name in allowed if fields.get(name) is not None}
+    return dataclasses.replace(base, **updates)  # re-runs SamplingParams' own checks
+
+
+def token_ids(value: Any, field_name: str) -> list[int]:
+    """A JSON list of token ids; the range check against the vocabulary is the engine's."""
+    if (not isinstance(value, list) or not value
+            or not all(isinstance(t, int) and not isinstance(t, bool) for t in value)):
+        raise InvalidRequest(field_name, f"must be a non-empty list of integer token ids, got {value!r:.80}")
+    return value

@@ -1,0 +1,99 @@
+"""Builders shared by the engine tests: tiny HF checkpoints, engines, prompts, run loops.
+
+Model sizes stay tiny (hidden 64, 2 layers, vocab 512) so the suite runs on two CPU cores.
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine import CacheConfig, EngineConfig, LLMEngine, RequestOutput, Role, SamplingParams, SchedulerConfig
+
+VOCAB = 512
+# Larger than transformers' default 0.02: with hidden 64 this gives logits of std ~1.5, so
+# greedy argmax has clear margins (ties implausible) and output depends on the context.
+INIT_STD = 0.2
+_COMMON: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=INIT_STD,
+    # No EOS anywhere: the engine and transformers both generate exactly max_new_tokens.
+    bos_token_id=None, eos_token_id=None, pad_token_id=None,
+)
+# name -> (transformers class names, config overrides)
+HF_SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama-gqa": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),
+    "llama3-rope": ("LlamaConfig", "LlamaForCausalLM", dict(
+        tie_word_embeddings=True, max_position_embeddings=512,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        tie_word_embeddings=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        norm_topk_prob=True)),
+    "qwen3-moe-unnormed": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        tie_word_embeddings=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        norm_topk_prob=False)),
+}
+
+
+def build_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
+    """A random-weight transformers model for HF_SPECS[name], deterministic in `seed`."""
+    import transformers
+
+    config_cls, model_cls, overrides = HF_SPECS[name]
+    config = getattr(transformers, config_cls)(**{**_COMMON, **overrides})
+    torch.manual_seed(seed)
+    return getattr(transformers, model_cls)(config).eval()
+
+
+def save_hf_model(name: str, path: Path, seed: int = 0, **save_kwargs: Any) -> Path:
+    build_hf_model(name, seed).save_pretrained(path, **save_kwargs)
+    return path
+
+
+def make_engine(model: str | Path, *, num_blocks: int = 256, block_size: int = 4, budget: int = 2048,
+                max_num_seqs: int = 64, chunked: bool = True, prefix_cache: bool = True,
+                role: Role = Role.MIXED, seed: int = 0, dtype: str = "float32",
+                max_model_len: int | None = None) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        model=str(model), dtype=dtype, device="cpu", role=role, seed=seed, max_model_len=max_model_len,
+        cache=CacheConfig(num_blocks=num_blocks, block_size=block_size, enable_prefix_cache=prefix_cache),
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                                  enable_chunked_prefill=chunked),
+    ))
+
+
+def make_prompts(lengths: list[int], seed: int = 0, vocab: int = VOCAB) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def greedy(max_tokens: int = 16, **kw: Any) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def run_all(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, RequestOutput]:
+    """Step until the engine is idle; the final output of every request that finished."""
+    done: dict[str, RequestOutput] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return done
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    raise AssertionError(f"engine still busy after {max_steps} steps")
+
+
+def generate_one_by_one(engine: LLMEngine, prompts: list[list[int]],
+                        params: list[SamplingParams]) -> list[list[int]]:
+    return [engine.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
+
+
+def assert_pool_clean(engine: LLMEngine) -> None:
+    """Nothing holds a block: every block is free or cached-and-evictable."""
+    assert engine.pool.num_referenced == 0
+    assert engine.pool.num_free == engine.pool.num_blocks
+    assert not engine.has_unfinished()
