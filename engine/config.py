@@ -33,7 +33,7 @@ class CacheConfig(_Frozen):
     # Number of KV blocks in the device pool. None: size from `memory_fraction`
     # of free device memory on CUDA, or from `cpu_kv_bytes` on CPU.
     num_blocks: int | None = Field(None, ge=2)
-    cpu_kv_bytes: int = Field(1 << 30, ge=1 << 16)
+    cpu_kv_bytes: int = Field(256 << 20, ge=1 << 16)
     memory_fraction: float = Field(0.85, gt=0.0, le=1.0)
     enable_prefix_cache: bool = True
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
+import socket
 import struct
 import time
 import zlib
@@ -36,6 +37,7 @@ from kv_transfer import (
     encode_header,
     inprocess_pair,
     payload_checksum,
+    payload_view,
 )
 
 LAYOUT = KVLayout("tiny", num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32)
@@ -170,6 +172,13 @@ def test_inprocess_pair_moves_kv_exactly():
     assert sent.result(5) == header and header.num_tokens == 10 and header.num_blocks == 3
     assert torch.equal(got, kv)
 
+    staging = torch.zeros(1 << 16, dtype=torch.uint8)  # reused across requests
+    sent = run_sender(lambda: tx.send("b", make_kv(2, 6), 6))
+    header = rx.recv_header()
+    got = rx.recv_payload(header, payload_view(staging, header))
+    assert got.data_ptr() == staging.data_ptr() and torch.equal(got, make_kv(2, 6))
+    assert sent.result(5).request_id == "b"
+
 
 def test_inprocess_refusals_leave_the_pair_usable():
     tx, rx = inprocess_pair(LAYOUT)
@@ -222,6 +231,19 @@ def test_inprocess_receiver_times_out_within_the_configured_timeout():
     assert time.monotonic() - start < 2.0
     with pytest.raises(ChannelClosed):
         rx.recv_header()
+
+
+def test_server_binds_the_configured_host_within_the_port_range():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with pytest.raises(KVTransferError, match="cannot listen"):
+            TransferServer(CONFIG.model_copy(update={"port_range": (port, port)}))
+    server = TransferServer(CONFIG.model_copy(update={"port_range": (port, port)}))  # free again
+    assert server.address == ("127.0.0.1", port) and ("127.0.0.1", port) in listening_addresses()
+    server.close()
+    assert ("127.0.0.1", port) not in listening_addresses()
 
 
 def test_accept_times_out_when_no_sender_joins():
@@ -431,3 +453,33 @@ def test_device_checksum_on_cuda_matches_the_cpu_definition():
     assert payload_checksum(t.cuda()) == payload_checksum(t, ChecksumAlgo.WSUM32)
     with pytest.raises(ValueError, match="host"):
         payload_checksum(t.cuda(), ChecksumAlgo.XXH3_64)
+
+
+def _nccl_sender_main(address, replies) -> None:
+    torch.cuda.set_device(1)
+    tx = connect(address, LAYOUT, CONFIG.model_copy(update={"backend": "nccl"}), "prefill-gpu")
+    tx.send("gpu-1", make_kv(21, 10).cuda(), 10)
+    replies.put(tx.stats.payloads)
+    tx.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_nccl_pair_moves_cuda_kv_exactly():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("an NCCL pair needs two GPUs (NCCL refuses two ranks on one device)")
+    torch.cuda.set_device(0)
+    server = TransferServer(CONFIG.model_copy(update={"backend": "nccl"}))
+    ctx = mp.get_context("spawn")
+    replies = ctx.Queue()
+    child = ctx.Process(target=_nccl_sender_main, args=(server.address, replies), daemon=True)
+    child.start()
+    try:
+        rx = server.accept(LAYOUT)
+        header, kv = rx.receive()
+        assert kv.is_cuda and header.checksum_algo == ChecksumAlgo.WSUM32
+        assert torch.equal(kv.cpu(), make_kv(21, 10)) and replies.get(timeout=30) == 1
+        rx.close()
+    finally:
+        server.close()
+        child.join(30)

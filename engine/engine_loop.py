@@ -1,0 +1,107 @@
+"""Runs an LLMEngine on one thread; other threads reach it only through call().
+
+The engine is not thread-safe. Workers and servers (HTTP handlers, Ray actor methods, KV
+receivers) hand closures to `call()`, which the loop thread runs between steps, and get
+each request's outputs through a sink callback invoked on the loop thread.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import traceback
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TypeVar
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+
+T = TypeVar("T")
+Sink = Callable[[RequestOutput | BaseException], None]
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, name: str = "engine-loop"):
+        self.engine = engine
+        self.error: BaseException | None = None  # set when a step failed: the engine is dead
+        self._inbox: queue.Queue[tuple[Callable, Future]] = queue.Queue()
+        self._sinks: dict[str, Sink] = {}  # loop thread only
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def call(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
+        """Run fn(engine) on the loop thread before its next step."""
+        fut: Future[T] = Future()
+        if self.error is not None:
+            fut.set_exception(RuntimeError(f"engine failed: {self.error!r}"))
+        else:
+            self._inbox.put((fn, fut))
+        return fut
+
+    def watch(self, request_id: str, sink: Sink) -> Future[None]:
+        """Deliver a request's outputs to `sink` until it finishes or its KV is ready."""
+        return self.call(lambda _: self._sinks.__setitem__(request_id, sink))
+
+    def add_request(self, request_id: str, prompt, params, sink: Sink) -> Future[None]:
+        def add(engine: LLMEngine) -> None:
+            engine.add_request(request_id, prompt, params)
+            self._sinks[request_id] = sink
+        return self.call(add)
+
+    def abort(self, request_id: str) -> Future:
+        def abort(engine: LLMEngine):
+            self._sinks.pop(request_id, None)
+            return engine.abort(request_id)
+        return self.call(abort)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            idle = not self.engine.has_unfinished()
+            try:
+                fn, fut = self._inbox.get(timeout=0.05) if idle else self._inbox.get_nowait()
+                self._run_call(fn, fut)
+                while True:
+                    self._run_call(*self._inbox.get_nowait())
+            except queue.Empty:
+                pass
+            if self.engine.has_unfinished():
+                self._step()
+
+    def _run_call(self, fn: Callable, fut: Future) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            result = fn(self.engine)
+        except BaseException as exc:  # handed to the caller; the loop goes on
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # fail every in-flight request rather than hang its caller
+            traceback.print_exc()
+            self.error = exc
+            for sink in self._sinks.values():
+                sink(exc)
+            self._sinks.clear()
+            self._stop.set()
+            return
+        for out in outputs:
+            done = out.finished or out.kv_ready
+            sink = self._sinks.pop(out.request_id, None) if done else self._sinks.get(out.request_id)
+            if sink is not None:
+                sink(out)

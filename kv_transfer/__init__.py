@@ -1,0 +1,34 @@
+"""Moving KV blocks between a prefill worker and a decode worker.
+
+Entry points: `TransferServer` (receiver side, hosts the pair rendezvous) and `connect`
+(sender side) build a pair over torch.distributed; `inprocess_pair` builds one over queues
+for unit tests. Both yield a `SenderChannel` / `ReceiverChannel` (the `KVSender` /
+`KVReceiver` protocols of `base`). See base.py for the message flow and ownership rules.
+"""
+from kv_transfer.base import ChannelStats, KVReceiver, KVSender, Link, Msg
+from kv_transfer.channel import ReceiverChannel, SenderChannel, payload_view
+from kv_transfer.checksum import ChecksumAlgo, payload_checksum
+from kv_transfer.config import TransferConfig
+from kv_transfer.errors import (
+    ChannelClosed,
+    ChecksumMismatch,
+    HeaderError,
+    KVTransferError,
+    LayoutMismatch,
+    RefuseReason,
+    TransferRefused,
+    TransferTimeout,
+)
+from kv_transfer.header import HEADER_SIZE, MAX_ID_BYTES, TransferHeader, decode_header, encode_header
+from kv_transfer.inprocess import inprocess_pair
+from kv_transfer.layout import HeadShard, KVLayout
+from kv_transfer.pg_link import raw_recv, raw_send
+from kv_transfer.rendezvous import TransferServer, connect
+
+__all__ = [
+    "HEADER_SIZE", "MAX_ID_BYTES", "ChannelClosed", "ChannelStats", "ChecksumAlgo", "ChecksumMismatch",
+    "HeadShard", "HeaderError", "KVLayout", "KVReceiver", "KVSender", "KVTransferError", "LayoutMismatch",
+    "Link", "Msg", "ReceiverChannel", "RefuseReason", "SenderChannel", "TransferConfig", "TransferHeader",
+    "TransferRefused", "TransferServer", "TransferTimeout", "connect", "decode_header", "encode_header",
+    "inprocess_pair", "payload_checksum", "payload_view", "raw_recv", "raw_send",
+]

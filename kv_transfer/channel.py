@@ -1,0 +1,173 @@
+"""The message flow of one request (header, ack, payload) over any Link.
+
+Both transports (torch.distributed pairs and in-process queues) run this same code, so a
+caller tested against the in-process pair sees exactly the real protocol.
+"""
+from __future__ import annotations
+
+import torch
+
+from kv_transfer.base import ChannelStats, Link, Msg
+from kv_transfer.checksum import payload_checksum
+from kv_transfer.errors import (
+    ChannelClosed,
+    ChecksumMismatch,
+    HeaderError,
+    RefuseReason,
+    TransferRefused,
+)
+from kv_transfer.header import HEADER_SIZE, TransferHeader, decode_header, encode_header
+from kv_transfer.layout import HeadShard, KVLayout, check_header, make_header
+
+ACK_MAGIC = int.from_bytes(b"KVACK", "big")  # a wrong value means the two ends lost step
+ACCEPT = 0
+
+
+def _ack_tensor(code: int = 0) -> torch.Tensor:
+    return torch.tensor([ACK_MAGIC, code], dtype=torch.int64)  # (2,): magic, ACCEPT or a RefuseReason
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)  # (nbytes,), same storage; t must be contiguous
+
+
+def payload_view(buffer: torch.Tensor, header: TransferHeader) -> torch.Tensor:
+    """The first payload_nbytes of a reusable flat uint8 `buffer`, viewed as the header's
+    payload (contiguous, header.payload_shape, header.dtype), to receive into without a
+    fresh allocation per request."""
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < header.payload_nbytes:
+        raise ValueError(f"need a 1-D uint8 buffer of at least {header.payload_nbytes} bytes")
+    return buffer[: header.payload_nbytes].view(header.dtype).view(header.payload_shape)
+
+
+class SenderChannel:
+    """The prefill end of one pair (implements base.KVSender). Owns its link."""
+
+    def __init__(self, link: Link, layout: KVLayout, shard: HeadShard | None = None, peer: str = ""):
+        self.link, self.layout = link, layout
+        self.shard = shard or HeadShard.full(layout.num_kv_heads)
+        self.peer = peer
+        self.stats = ChannelStats()
+        self.corrupt_next_payload = False
+        self.closed = False
+
+    def send(self, request_id: str, kv: torch.Tensor, num_tokens: int,
+             timeout_s: float | None = None) -> TransferHeader:
+        if self.closed:
+            raise ChannelClosed("sender channel is closed")
+        # With gloo a CUDA tensor goes through the host; with NCCL it stays on the device.
+        kv = kv.to(self.link.payload_device).contiguous()
+        header = make_header(request_id, kv, num_tokens, self.layout, self.shard, payload_checksum(kv))
+        self.stats.requests += 1
+        wire = torch.frombuffer(bytearray(encode_header(header)), dtype=torch.uint8)  # (HEADER_SIZE,)
+        self.link.send(wire, Msg.HEADER, timeout_s)
+        ack = torch.zeros(2, dtype=torch.int64)
+        self.link.recv(ack, Msg.ACK, timeout_s)
+        magic, code = ack.tolist()
+        if magic != ACK_MAGIC:
+            self.close()
+            raise ChannelClosed(f"bad ack {ack.tolist()} for {request_id!r}: the ends lost step; "
+                                "channel closed")
+        if code != ACCEPT:
+            if code not in RefuseReason.__members__.values():
+                self.close()
+                raise ChannelClosed(f"unknown ack code {code} for {request_id!r}; channel closed")
+            self.stats.refused += 1
+            raise TransferRefused(request_id, RefuseReason(code))
+        self.stats.accepted += 1
+        if self.corrupt_next_payload:  # test hook: the header already carries the good checksum
+            self.corrupt_next_payload = False
+            kv = kv.clone()
+            flat = _flat_bytes(kv)
+            flat[flat.numel() // 2] ^= 0xFF
+        self.link.send(_flat_bytes(kv), Msg.PAYLOAD, timeout_s)
+        self.stats.payloads += 1
+        self.stats.payload_bytes += header.payload_nbytes
+        return header
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.link.close()
+
+
+class ReceiverChannel:
+    """The decode end of one pair (implements base.KVReceiver). Owns its link. `layout` and
+    `shard` are what this receiver holds; the caller may replace them between requests."""
+
+    def __init__(self, link: Link, layout: KVLayout, shard: HeadShard | None = None, peer: str = ""):
+        self.link, self.layout = link, layout
+        self.shard = shard or HeadShard.full(layout.num_kv_heads)
+        self.peer = peer
+        self.stats = ChannelStats()
+        self.closed = False
+        self._pending: TransferHeader | None = None  # checked, waiting for recv_payload/refuse
+        self._header_buf = torch.empty(HEADER_SIZE, dtype=torch.uint8)
+
+    def recv_header(self, timeout_s: float | None = None) -> TransferHeader:
+        self._check_open()
+        if self._pending is not None:
+            raise RuntimeError(f"request {self._pending.request_id!r} still needs recv_payload() or refuse()")
+        self.link.recv(self._header_buf, Msg.HEADER, timeout_s)
+        self.stats.requests += 1
+        try:
+            header = decode_header(self._header_buf.numpy().tobytes())
+        except HeaderError:
+            self._answer(RefuseReason.BAD_HEADER)
+            raise
+        mismatch = check_header(header, self.layout, self.shard, self.link.payload_device)
+        if mismatch is not None:
+            self._answer(mismatch.reason)
+            raise mismatch
+        self._pending = header
+        return header
+
+    def refuse(self, header: TransferHeader, reason: RefuseReason = RefuseReason.CALLER) -> None:
+        self._take(header)
+        self._answer(reason)
+
+    def recv_payload(self, header: TransferHeader, out: torch.Tensor | None = None,
+                     timeout_s: float | None = None) -> torch.Tensor:
+        self._check_open()
+        if out is None:
+            out = torch.empty(header.payload_shape, dtype=header.dtype, device=self.link.payload_device)
+        elif (tuple(out.shape) != header.payload_shape or out.dtype != header.dtype
+              or not out.is_contiguous() or out.device != self.link.payload_device):
+            raise ValueError(f"out must be a contiguous {header.payload_shape} {header.dtype} tensor on "
+                             f"{self.link.payload_device}")  # before the ack: the request stays pending
+        self._take(header)
+        self.link.send(_ack_tensor(ACCEPT), Msg.ACK, timeout_s)
+        self.stats.accepted += 1
+        self.link.recv(_flat_bytes(out), Msg.PAYLOAD, timeout_s)
+        self.stats.payloads += 1
+        self.stats.payload_bytes += header.payload_nbytes
+        _, value = payload_checksum(out, header.checksum_algo)
+        if value != header.checksum:
+            self.stats.checksum_failures += 1
+            raise ChecksumMismatch(f"request {header.request_id!r}: payload checksum {value:#018x}, header "
+                                   f"says {header.checksum:#018x}; the {header.payload_nbytes} bytes are bad")
+        return out
+
+    def receive(self, out: torch.Tensor | None = None,
+                timeout_s: float | None = None) -> tuple[TransferHeader, torch.Tensor]:
+        """recv_header then recv_payload, for callers with nothing to decide in between."""
+        header = self.recv_header(timeout_s)
+        return header, self.recv_payload(header, out, timeout_s)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.link.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ChannelClosed("receiver channel is closed")
+
+    def _take(self, header: TransferHeader) -> None:
+        if self._pending is not header:
+            raise RuntimeError(f"request {header.request_id!r} is not the pending header of this channel")
+        self._pending = None
+
+    def _answer(self, reason: RefuseReason) -> None:
+        self.stats.refused += 1
+        self.link.send(_ack_tensor(int(reason)), Msg.ACK)

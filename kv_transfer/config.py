@@ -1,0 +1,46 @@
+"""Transfer settings: the `transfer` sub-config of the root config."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_WILDCARDS = {"", "0.0.0.0", "::", "*", "[::]"}
+
+
+class TransferConfig(BaseModel):
+    """Where this process binds and how long any one step may block.
+
+    host: the address this process listens on and advertises (the receiver's rendezvous
+      store and, on both sides, gloo's pair sockets). Loopback by default; a wildcard is
+      refused so nothing ever listens on every interface.
+    port_range: inclusive range the rendezvous store tries in order; None lets the OS pick.
+      gloo's own pair sockets always use an ephemeral port on `host`.
+    timeout_s: the bound on each blocking step of a transfer (header, ack, payload).
+    connect_timeout_s: the bound on joining a pair (rendezvous plus group setup).
+    backend: gloo moves CPU tensors; nccl moves CUDA tensors (the header and ack still go
+      over a gloo group); auto picks nccl when CUDA and NCCL are available, else gloo.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    host: str = "127.0.0.1"
+    port_range: tuple[int, int] | None = None
+    timeout_s: float = Field(30.0, gt=0.0)
+    connect_timeout_s: float = Field(60.0, gt=0.0)
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+
+    @field_validator("host")
+    @classmethod
+    def _no_wildcard(cls, host: str) -> str:
+        if host.strip() in _WILDCARDS:
+            raise ValueError(f"host {host!r} would listen on every interface; name one address")
+        return host
+
+    @model_validator(mode="after")
+    def _check_ports(self) -> TransferConfig:
+        if self.port_range is not None:
+            lo, hi = self.port_range
+            if not 1 <= lo <= hi <= 65535:
+                raise ValueError(f"port_range {self.port_range} must satisfy 1 <= lo <= hi <= 65535")
+        return self

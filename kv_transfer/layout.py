@@ -1,0 +1,86 @@
+"""What both ends of a pair must agree on, and the checks that enforce it."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kv_transfer.checksum import ChecksumAlgo
+from kv_transfer.errors import LayoutMismatch, RefuseReason
+from kv_transfer.header import TransferHeader
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """One model's paged KV cache layout, as the engine holds it:
+    kv_cache (2, num_layers, num_blocks_in_pool, block_size, num_kv_heads, head_dim)."""
+
+    model_id: str
+    num_layers: int
+    num_kv_heads: int  # the model's total KV heads, not a TP shard's
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @classmethod
+    def from_kv_cache(cls, model_id: str, kv_cache: torch.Tensor) -> KVLayout:
+        """The layout of an engine's whole (unsharded) KV cache tensor."""
+        _, layers, _, block_size, heads, head_dim = kv_cache.shape
+        return cls(model_id, layers, heads, head_dim, block_size, kv_cache.dtype)
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """Which KV heads one rank holds: [head_start, head_start + head_count) of the model's
+    heads, on rank tp_rank of tp_size. TP=1 holds all of them (`HeadShard.full`)."""
+
+    tp_size: int
+    tp_rank: int
+    head_start: int
+    head_count: int
+
+    @classmethod
+    def full(cls, num_kv_heads: int) -> HeadShard:
+        return cls(1, 0, 0, num_kv_heads)
+
+
+def make_header(request_id: str, kv: torch.Tensor, num_tokens: int, layout: KVLayout, shard: HeadShard,
+                checksum: tuple[ChecksumAlgo, int]) -> TransferHeader:
+    """The header for sending `kv` (2, L, nb, bs, head_count, hd); LayoutMismatch if the tensor
+    does not match the sender's own layout and shard."""
+    nb = math.ceil(num_tokens / layout.block_size) if num_tokens > 0 else 0
+    want = (2, layout.num_layers, nb, layout.block_size, shard.head_count, layout.head_dim)
+    if tuple(kv.shape) != want:
+        raise LayoutMismatch(RefuseReason.SHAPE, f"kv shape {tuple(kv.shape)} for {num_tokens} tokens, "
+                                                 f"expected {want}")
+    if kv.dtype != layout.dtype:
+        raise LayoutMismatch(RefuseReason.DTYPE, f"kv dtype {kv.dtype}, layout says {layout.dtype}")
+    algo, value = checksum
+    return TransferHeader(request_id, layout.model_id, layout.num_layers, layout.num_kv_heads,
+                          layout.head_dim, layout.block_size, layout.dtype, num_tokens, nb, shard.tp_size,
+                          shard.tp_rank, shard.head_start, shard.head_count, kv.numel() * kv.element_size(),
+                          int(algo), value)
+
+
+def check_header(h: TransferHeader, layout: KVLayout, shard: HeadShard,
+                 device: torch.device) -> LayoutMismatch | None:
+    """None if a receiver holding `layout`/`shard` with its buffer on `device` can take this
+    payload as it is; otherwise the mismatch to refuse with. Reads only the header."""
+    if h.model_id != layout.model_id:
+        return LayoutMismatch(RefuseReason.MODEL, f"model {h.model_id!r}, expected {layout.model_id!r}")
+    got = (h.num_layers, h.num_kv_heads, h.head_dim, h.block_size)
+    want = (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size)
+    if got != want:
+        return LayoutMismatch(RefuseReason.SHAPE,
+                              f"(layers, kv_heads, head_dim, block_size) {got}, expected {want}")
+    if h.dtype != layout.dtype:
+        return LayoutMismatch(RefuseReason.DTYPE, f"dtype {h.dtype}, expected {layout.dtype}")
+    if (h.head_start, h.head_count) != (shard.head_start, shard.head_count):
+        # Re-sharding between different TP sizes is a later step; until then ranges must match.
+        return LayoutMismatch(RefuseReason.HEAD_RANGE,
+                              f"heads [{h.head_start}, {h.head_start + h.head_count}), this receiver holds "
+                              f"[{shard.head_start}, {shard.head_start + shard.head_count})")
+    if h.checksum_algo == ChecksumAlgo.XXH3_64 and device.type != "cpu":
+        return LayoutMismatch(RefuseReason.CHECKSUM_ALGO, f"XXH3_64 cannot be checked on {device} in place")
+    return None
