@@ -54,6 +54,13 @@ class EngineLoop:
         """Deliver a request's outputs to `sink` until it finishes or its KV is ready."""
         return self.call(lambda _: self._sinks.__setitem__(request_id, sink))
 
+    def watch_now(self, request_id: str, sink: Sink) -> None:
+        """watch() for code already running on the loop thread (inside a call())."""
+        self._sinks[request_id] = sink
+
+    def unwatch_now(self, request_id: str) -> None:
+        self._sinks.pop(request_id, None)
+
     def add_request(self, request_id: str, prompt, params, sink: Sink) -> Future[None]:
         def add(engine: LLMEngine) -> None:
             engine.add_request(request_id, prompt, params)

@@ -1,0 +1,83 @@
+"""The cluster's configuration: one YAML file with the same fields as the flags."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine import CacheConfig, EngineConfig, SchedulerConfig
+from kv_transfer import TransferConfig
+from router.config import RouterConfig
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class WorkerEngine(_Frozen):
+    """Engine settings every worker shares (each worker gets its own pool of this size)."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "auto"
+    block_size: int = Field(16, ge=1)
+    num_blocks: int | None = Field(None, ge=2)
+    max_num_batched_tokens: int = Field(2048, ge=16)
+    max_num_seqs: int = Field(128, ge=1)
+    max_model_len: int | None = Field(None, ge=1)
+
+
+class ClusterConfig(_Frozen):
+    model: str = "tiny"
+    prefill: int = Field(1, ge=0)
+    decode: int = Field(1, ge=1)  # in colocated mode: the number of mixed workers
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    ray_address: str | None = None
+    redis_url: str | None = None
+    host: str = "127.0.0.1"
+    http_port: int = Field(8000, ge=0, le=65535)
+    grpc_port: int | None = Field(None, ge=0, le=65535)
+    num_cpus: float | None = Field(None, gt=0)  # CPU cores the workers share; default: all
+    engine: WorkerEngine = WorkerEngine()
+    router: RouterConfig = RouterConfig()
+    transfer: TransferConfig = TransferConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> ClusterConfig:
+        if self.mode == "disaggregated" and self.prefill < 1:
+            raise ValueError("disaggregated mode needs at least one prefill worker (--prefill >= 1)")
+        if self.host in ("0.0.0.0", "::", ""):
+            raise ValueError("host must be a specific address (e.g. 127.0.0.1 or the pod IP), not a wildcard")
+        if self.grpc_port is not None:
+            raise ValueError("the gRPC front door is not built yet; leave grpc_port unset and use --http-port")
+        return self
+
+    @property
+    def num_prefill(self) -> int:
+        return 0 if self.mode == "colocated" else self.prefill
+
+    def engine_config(self, num_threads: int | None) -> EngineConfig:
+        e = self.engine
+        return EngineConfig(
+            model=self.model, dtype=e.dtype, device=e.device, max_model_len=e.max_model_len,
+            num_threads=num_threads, cache=CacheConfig(block_size=e.block_size, num_blocks=e.num_blocks),
+            scheduler=SchedulerConfig(max_num_batched_tokens=e.max_num_batched_tokens, max_num_seqs=e.max_num_seqs),
+        )
+
+
+def load_config(path: Path | None, overrides: dict) -> ClusterConfig:
+    """The file's fields, then the flags that were given (None means not given)."""
+    data: dict = {}
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ValueError(f"{path}: a cluster config must be a YAML mapping of fields")
+        data = loaded or {}
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    return ClusterConfig.model_validate(data)
+
+
+def cpu_budget(cfg: ClusterConfig) -> float:
+    return cfg.num_cpus or float(os.cpu_count() or 1)

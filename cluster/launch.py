@@ -1,0 +1,103 @@
+"""Start or join Ray and place the router, prefill and decode actors (no front door here)."""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import ray
+
+from cluster.config import ClusterConfig, cpu_budget
+from decode_worker.actor import DecodeActor
+from engine import Role
+from prefill_worker.actor import PrefillActor
+from router.actor import RouterActor
+
+log = logging.getLogger(__name__)
+NAMESPACE = "brigade"
+OBJECT_STORE_BYTES = 256 << 20  # KV moves over torch.distributed, not the object store
+
+
+def start_ray(cfg: ClusterConfig) -> None:
+    if ray.is_initialized():
+        return
+    env = {"RAY_USAGE_STATS_ENABLED": "0"}
+    if cfg.ray_address:
+        ray.init(address=cfg.ray_address, namespace=NAMESPACE, runtime_env={"env_vars": env})
+        return
+    # Local: Ray's CPU counts are bookkeeping only; each worker sets its own torch threads.
+    # Twice the budget leaves room for workers added after start.
+    ray.init(num_cpus=int(2 * max(cpu_budget(cfg), 1)), include_dashboard=False, namespace=NAMESPACE,
+             object_store_memory=OBJECT_STORE_BYTES, _node_ip_address=cfg.host,
+             runtime_env={"env_vars": env})
+
+
+def wants_gpu(cfg: ClusterConfig) -> bool:
+    if cfg.engine.device != "auto":
+        return cfg.engine.device.startswith("cuda")
+    return ray.cluster_resources().get("GPU", 0) > 0
+
+
+@dataclass
+class Placement:
+    options: dict  # Ray actor options
+    num_threads: int | None  # torch threads in the worker (None on GPU)
+
+
+def placements(cfg: ClusterConfig, num_workers: int) -> Placement:
+    """One worker's share: a GPU each on GPU machines, else an equal share of the cores."""
+    if wants_gpu(cfg):
+        gpus = ray.cluster_resources().get("GPU", 0)
+        if num_workers > gpus:
+            raise ValueError(f"{num_workers} workers need {num_workers} GPUs; the Ray cluster has {gpus:g}")
+        return Placement({"num_gpus": 1}, None)
+    share = cpu_budget(cfg) / num_workers
+    return Placement({"num_cpus": share}, max(1, int(share)))
+
+
+@dataclass
+class Cluster:
+    cfg: ClusterConfig
+    router: object
+    workers: dict[str, object] = field(default_factory=dict)  # worker id -> actor handle
+
+    def add_worker(self, role: str) -> str:
+        """Start one more worker and hand it to the router (which pairs it with its peers)."""
+        cfg = self.cfg
+        place = placements(cfg, max(1, cfg.num_prefill + cfg.decode))
+        engine_cfg = cfg.engine_config(place.num_threads)
+        worker_id = f"{role}-{sum(w.startswith(role + '-') for w in self.workers)}"
+        opts = {**place.options, "name": worker_id, "max_concurrency": 1000}
+        if role == "prefill":
+            handle = PrefillActor.options(**opts).remote(worker_id, engine_cfg, cfg.transfer)
+        else:
+            engine_role = Role.MIXED if role == "mixed" else Role.DECODE
+            handle = DecodeActor.options(**opts).remote(worker_id, engine_cfg, cfg.transfer, engine_role)
+        ray.get(handle.health.remote())  # surfaces a failed start (bad model path, ...) here
+        ray.get(self.router.add_worker.remote(role, worker_id, handle))
+        self.workers[worker_id] = handle
+        return worker_id
+
+    def stats(self) -> dict:
+        return ray.get(self.router.stats.remote())
+
+    def shutdown(self) -> None:
+        for handle in self.workers.values():
+            try:
+                ray.get(handle.shutdown.remote(), timeout=10)
+            except Exception as exc:  # already dead: nothing to drain
+                log.warning("worker shutdown: %s", exc)
+            ray.kill(handle)
+        ray.kill(self.router)
+        self.workers.clear()
+
+
+def launch(cfg: ClusterConfig) -> Cluster:
+    start_ray(cfg)
+    router = RouterActor.options(num_cpus=0, max_concurrency=10_000).remote(cfg.router, cfg.mode == "colocated")
+    cluster = Cluster(cfg, router)
+    roles = ["prefill"] * cfg.num_prefill + (["mixed"] if cfg.mode == "colocated" else ["decode"]) * cfg.decode
+    for role in roles:
+        cluster.add_worker(role)
+    log.info("cluster up: %s (pid %d)", sorted(cluster.workers), os.getpid())
+    return cluster

@@ -1,0 +1,3 @@
+from decode_worker.worker import DecodeWorker
+
+__all__ = ["DecodeWorker"]

@@ -1,0 +1,93 @@
+"""Ray actor shim over DecodeWorker: streams a request's tokens as a Ray streaming generator."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import ray
+
+from decode_worker.worker import DecodeWorker
+from engine import EngineConfig, Role
+from kv_transfer import KVTransferError, TransferConfig
+from router.streams import OutputStream
+from router.types import Chunk, GenerateRequest, PrefillResult, Timing
+
+log = logging.getLogger(__name__)
+
+
+@ray.remote
+class DecodeActor:
+    def __init__(self, worker_id: str, engine_cfg: EngineConfig, transfer_cfg: TransferConfig,
+                 role: Role = Role.DECODE):
+        self.worker = DecodeWorker(worker_id, engine_cfg, transfer_cfg, role)
+
+    async def address(self) -> tuple[str, int]:
+        return self.worker.address
+
+    async def accept(self) -> str:
+        return await asyncio.to_thread(self.worker.accept)
+
+    async def reserve(self, request_id: str, num_tokens: int) -> bool:
+        return await asyncio.to_thread(self.worker.reserve, request_id, num_tokens)
+
+    async def generate(self, req: GenerateRequest, first: PrefillResult, prefill_id: str,
+                       prefill: ray.actor.ActorHandle) -> AsyncIterator[Chunk]:
+        """Pull the KV from `prefill`, then stream from the first token on. If the transfer
+        fails, recompute the whole request here instead (same tokens: same model, and
+        sampling is keyed by seed and position)."""
+        timing = Timing()
+        stream = OutputStream()
+        try:
+            try:
+                loop = asyncio.get_running_loop()
+                ask = lambda: asyncio.run_coroutine_threadsafe(  # from the pull thread, via our loop
+                    _await(prefill.push.remote(req.request_id, self.worker.worker_id)), loop).result()
+                nbytes, secs = await asyncio.to_thread(self.worker.pull, req.request_id, prefill_id, ask)
+                timing.transfer_s, timing.transfer_bytes = secs, nbytes
+                await asyncio.wrap_future(self.worker.start(
+                    req.request_id, req.prompt_token_ids, first.first_token_id, req.params,
+                    first.usage.cached_tokens, first.first_logprobs, stream.sink))
+                yield Chunk(req.request_id, [first.first_token_id], first.text, timing=timing,
+                            logprobs=[first.first_logprobs] if first.first_logprobs else None)
+            except KVTransferError as exc:
+                log.warning("KV transfer for %s failed (%s); recomputing on %s", req.request_id, exc,
+                            self.worker.worker_id)
+                timing.recomputed = True
+                await asyncio.to_thread(self.worker.abort, req.request_id)  # frees the reservation
+                await asyncio.wrap_future(self.worker.generate_local(req, stream.sink))
+            first_chunk = timing.recomputed
+            async for chunk in stream.chunks():
+                if first_chunk:
+                    chunk.timing, first_chunk = timing, False
+                yield chunk
+        finally:
+            if not stream.finished:  # cancelled or failed mid-stream: free the KV here
+                await asyncio.to_thread(self.worker.abort, req.request_id)
+
+    async def generate_local(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
+        """A whole request on this worker (colocated mode)."""
+        stream = OutputStream()
+        try:
+            await asyncio.wrap_future(self.worker.generate_local(req, stream.sink))
+            async for chunk in stream.chunks():
+                yield chunk
+        finally:
+            if not stream.finished:
+                await asyncio.to_thread(self.worker.abort, req.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        await asyncio.to_thread(self.worker.abort, request_id)
+
+    async def health(self) -> dict:
+        return self.worker.health()
+
+    async def stats(self) -> dict:
+        return await asyncio.to_thread(self.worker.stats)
+
+    async def shutdown(self) -> None:
+        await asyncio.to_thread(self.worker.close)
+
+
+async def _await(ref):
+    return await ref

@@ -1,0 +1,116 @@
+"""A decode worker: an engine that continues requests whose KV arrives from prefill workers.
+
+Per request: reserve() allocates blocks before anything is sent (or refuses, so the router
+picks another worker); pull() asks the prefill worker to send (through a callable the
+caller supplies, so this class knows no Ray) and receives the KV straight into a buffer,
+checked by layout and checksum; start() admits the request from its first token and
+streams its outputs to a sink. generate_local() runs a whole request here (colocated mode,
+and the recompute fallback when a transfer fails).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from engine import EngineConfig, LLMEngine, Role, SamplingParams
+from engine.block_pool import NoFreeBlocks
+from engine.engine_loop import EngineLoop, Sink
+from engine.sampling import TokenLogprobs
+from kv_transfer import KVLayout, KVTransferError, ReceiverChannel, TransferConfig, TransferServer
+from router.types import GenerateRequest
+
+
+class DecodeWorker:
+    def __init__(self, worker_id: str, engine_cfg: EngineConfig, transfer_cfg: TransferConfig,
+                 role: Role = Role.DECODE):
+        self.worker_id = worker_id
+        self.engine = LLMEngine(engine_cfg.model_copy(update={"role": role}))
+        self.loop = EngineLoop(self.engine, name=f"{worker_id}-engine").start()
+        self.layout = KVLayout.from_kv_cache(self.engine.model_id, self.engine.runner.kv_cache)
+        self.transfer_cfg = transfer_cfg
+        self.server = TransferServer(transfer_cfg)
+        self.channels: dict[str, ReceiverChannel] = {}  # by prefill worker id
+        self.locks: dict[str, threading.Lock] = {}  # one transfer at a time per channel
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.server.address
+
+    def accept(self) -> str:
+        """Accept the next prefill worker that connects; returns its id."""
+        channel = self.server.accept(self.layout)
+        self.locks.setdefault(channel.peer, threading.Lock())
+        old = self.channels.pop(channel.peer, None)
+        if old is not None:
+            old.close()
+        self.channels[channel.peer] = channel
+        return channel.peer
+
+    def drop_channel(self, prefill_id: str) -> None:
+        channel = self.channels.pop(prefill_id, None)
+        if channel is not None:
+            channel.close()
+
+    def reserve(self, request_id: str, num_tokens: int) -> bool:
+        def reserve(engine: LLMEngine) -> bool:
+            try:
+                engine.reserve(request_id, num_tokens)
+                return True
+            except NoFreeBlocks:
+                return False
+        return self.loop.call(reserve).result()
+
+    def pull(self, request_id: str, prefill_id: str, request_push: Callable[[], bool]) -> tuple[int, float]:
+        """Receive a reserved request's KV from `prefill_id` into its blocks.
+
+        `request_push()` makes the prefill worker send (True) or says it cannot (False).
+        Returns (payload bytes, seconds). Raises KVTransferError on refusal, a bad checksum or
+        a closed channel; the reservation is then still held, for a retry or abort().
+        """
+        channel = self.channels.get(prefill_id)
+        if channel is None:
+            raise KVTransferError(f"no channel from {prefill_id!r}")
+        start = time.monotonic()
+        with self.locks[prefill_id]:
+            if not request_push():
+                raise KVTransferError(f"{prefill_id!r} does not hold {request_id!r}")
+            header = channel.recv_header(self.transfer_cfg.timeout_s)
+            if header.request_id != request_id:  # cannot happen while pulls are serialised per channel
+                channel.refuse(header)
+                raise KVTransferError(f"expected KV of {request_id!r}, got {header.request_id!r}")
+            kv = channel.recv_payload(header)
+        self.loop.call(lambda e: e.write_kv(e.reservations[request_id], kv)).result()
+        return header.payload_nbytes, time.monotonic() - start
+
+    def start(self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams,
+              cached_tokens: int, first_logprobs: TokenLogprobs | None, sink: Sink) -> Future[None]:
+        """Admit a request whose KV is in its reserved blocks; its outputs go to `sink`."""
+        def admit(engine: LLMEngine) -> None:
+            self.loop.watch_now(request_id, sink)
+            try:
+                engine.admit(request_id, prompt_token_ids, first_token_id, params, cached_tokens, first_logprobs)
+            except BaseException:
+                self.loop.unwatch_now(request_id)
+                raise
+        return self.loop.call(admit)
+
+    def generate_local(self, req: GenerateRequest, sink: Sink) -> Future[None]:
+        return self.loop.add_request(req.request_id, req.prompt_token_ids, req.params, sink)
+
+    def abort(self, request_id: str) -> None:
+        self.loop.abort(request_id).result()
+
+    def health(self) -> dict:
+        return {"worker_id": self.worker_id, "role": "decode", "alive": self.loop.alive,
+                "error": repr(self.loop.error) if self.loop.error else None}
+
+    def stats(self) -> dict:
+        return self.loop.call(lambda e: e.stats()).result() | {"channels": sorted(self.channels)}
+
+    def close(self) -> None:
+        for prefill_id in list(self.channels):
+            self.drop_channel(prefill_id)
+        self.server.close()
+        self.loop.stop()

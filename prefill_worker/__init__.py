@@ -1,0 +1,3 @@
+from prefill_worker.worker import PrefillWorker
+
+__all__ = ["PrefillWorker"]

@@ -1,0 +1,101 @@
+"""A prefill worker: an engine in prefill role whose requests end at their first token.
+
+Each request's KV stays pinned in the engine until the chosen decode worker pulls it
+(`push`), which exports it and sends it over that decode worker's channel. Plain class: the
+Ray actor in actor.py only adapts its futures to asyncio.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from engine import EngineConfig, LLMEngine, RequestOutput, Role
+from engine.engine_loop import EngineLoop
+from kv_transfer import KVLayout, KVTransferError, SenderChannel, TransferConfig, connect
+from router.types import GenerateRequest, PrefillResult
+
+log = logging.getLogger(__name__)
+
+
+class PrefillWorker:
+    def __init__(self, worker_id: str, engine_cfg: EngineConfig, transfer_cfg: TransferConfig):
+        self.worker_id = worker_id
+        self.engine = LLMEngine(engine_cfg.model_copy(update={"role": Role.PREFILL}))
+        self.loop = EngineLoop(self.engine, name=f"{worker_id}-engine").start()
+        self.layout = KVLayout.from_kv_cache(self.engine.model_id, self.engine.runner.kv_cache)
+        self.transfer_cfg = transfer_cfg
+        self.channels: dict[str, SenderChannel] = {}
+        # One thread per channel: sends leave in the order decode workers pulled them.
+        self.senders: dict[str, ThreadPoolExecutor] = {}
+
+    def connect(self, decode_id: str, address: tuple[str, int]) -> None:
+        """Join decode worker `decode_id`'s transfer server (blocks until it accepts)."""
+        self.channels[decode_id] = connect(address, self.layout, self.transfer_cfg, name=self.worker_id)
+        self.senders[decode_id] = ThreadPoolExecutor(1, thread_name_prefix=f"{self.worker_id}-to-{decode_id}")
+
+    def disconnect(self, decode_id: str) -> None:
+        channel = self.channels.pop(decode_id, None)
+        if channel is not None:
+            channel.close()
+        sender = self.senders.pop(decode_id, None)
+        if sender is not None:
+            sender.shutdown(wait=False)
+
+    def prefill(self, req: GenerateRequest) -> Future[PrefillResult]:
+        result: Future[PrefillResult] = Future()
+        start = time.monotonic()
+
+        def sink(out: RequestOutput | BaseException) -> None:
+            if isinstance(out, BaseException):
+                result.set_exception(out)
+                return
+            result.set_result(PrefillResult(
+                req.request_id, out.new_token_ids[0], out.new_text, out.finished, out.finish_reason, out.usage,
+                out.logprobs[-1] if out.logprobs else None, queue_s=0.0, prefill_s=time.monotonic() - start))
+
+        added = self.loop.add_request(req.request_id, req.prompt_token_ids, req.params, sink)
+        added.add_done_callback(lambda f: f.exception() is not None and not result.done()
+                                and result.set_exception(f.exception()))
+        return result
+
+    def push(self, request_id: str, decode_id: str) -> bool:
+        """Export a pinned request's KV and queue it for sending to `decode_id`.
+
+        True means a send will follow on that channel (the caller may now receive); False
+        means this worker does not hold the request (aborted, or never prefilled here).
+        """
+        channel = self.channels.get(decode_id)
+        if channel is None:
+            return False
+        export = self.loop.call(lambda e: e.export_kv(request_id) if request_id in e.prefilled else None).result()
+        if export is None:
+            return False
+
+        def send() -> None:
+            try:
+                channel.send(export.request_id, export.kv, export.num_tokens)
+            except KVTransferError as exc:  # the receiving side sees it too and recovers
+                log.warning("sending KV of %s to %s failed: %s", request_id, decode_id, exc)
+
+        self.senders[decode_id].submit(send)
+        return True
+
+    def abort(self, request_id: str) -> None:
+        self.loop.abort(request_id).result()
+
+    def corrupt_next_payload(self, decode_id: str) -> None:
+        """Test hook: flip one byte of the next payload sent to `decode_id`."""
+        self.channels[decode_id].corrupt_next_payload = True
+
+    def health(self) -> dict:
+        return {"worker_id": self.worker_id, "role": "prefill", "alive": self.loop.alive,
+                "error": repr(self.loop.error) if self.loop.error else None}
+
+    def stats(self) -> dict:
+        return self.loop.call(lambda e: e.stats()).result() | {"channels": sorted(self.channels)}
+
+    def close(self) -> None:
+        for decode_id in list(self.channels):
+            self.disconnect(decode_id)
+        self.loop.stop()

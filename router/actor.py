@@ -1,0 +1,39 @@
+"""Ray actor shim over Router."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import ray
+
+from router.config import RouterConfig
+from router.router import Router
+from router.types import Chunk, GenerateRequest
+
+
+@ray.remote
+class RouterActor:
+    def __init__(self, cfg: RouterConfig, colocated: bool):
+        self.router = Router(cfg, colocated)
+
+    async def add_worker(self, role: str, worker_id: str, handle) -> None:
+        await self.router.add_worker(role, worker_id, handle)
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
+        async for chunk in self.router.generate(req):
+            yield chunk
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.router.abort(request_id)
+
+    async def status(self) -> dict:
+        return self.router.status()
+
+    async def stats(self) -> dict:
+        """Every live worker's engine counters (blocks free, running, ...), by worker id."""
+        out = {}
+        for w in self.router.workers.values():
+            try:
+                out[w.worker_id] = await w.handle.stats.remote()
+            except Exception as exc:
+                out[w.worker_id] = {"error": repr(exc)}
+        return out
