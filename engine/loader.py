@@ -68,7 +68,7 @@ def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.d
             fill(dst, tensor, hf_name)
             filled[name] = filled.get(name, 0) + 1
     if cfg.tie_word_embeddings:
-        model.lm_head.weight_t.data.copy_(model.embed_tokens.weight.data.t())
+        _destination(params, "lm_head.weight").copy_(model.embed_tokens.weight.data)
         filled["lm_head.weight"] = 1
     _check_complete(model, cfg, filled)
     return model.eval()
