@@ -21,6 +21,7 @@ class DecodeActor:
     def __init__(self, worker_id: str, engine_cfg: EngineConfig, transfer_cfg: TransferConfig,
                  role: Role = Role.DECODE):
         self.worker = DecodeWorker(worker_id, engine_cfg, transfer_cfg, role)
+        self.streams: dict[str, OutputStream] = {}  # requests streaming from here, for abort()
 
     async def address(self) -> tuple[str, int]:
         return self.worker.address
@@ -37,7 +38,7 @@ class DecodeActor:
         fails, recompute the whole request here instead (same tokens: same model, and
         sampling is keyed by seed and position)."""
         timing = Timing()
-        stream = OutputStream()
+        stream = self.streams[req.request_id] = OutputStream()
         try:
             try:
                 loop = asyncio.get_running_loop()
@@ -50,34 +51,47 @@ class DecodeActor:
                     first.usage.cached_tokens, first.first_logprobs, stream.sink))
                 yield Chunk(req.request_id, [first.first_token_id], first.text, timing=timing,
                             logprobs=[first.first_logprobs] if first.first_logprobs else None)
-            except KVTransferError as exc:
-                log.warning("KV transfer for %s failed (%s); recomputing on %s", req.request_id, exc,
-                            self.worker.worker_id)
-                timing.recomputed = True
-                await asyncio.to_thread(self.worker.abort, req.request_id)  # frees the reservation
-                await asyncio.wrap_future(self.worker.generate_local(req, stream.sink))
+            except Exception as exc:
+                if not (stream.aborted or isinstance(exc, KVTransferError)):
+                    raise
+                # After abort() (which frees the reservation and ends the stream) a pull or admit
+                # may fail on the missing blocks: nothing to recompute then.
+                if not stream.aborted:
+                    log.warning("KV transfer for %s failed (%s); recomputing on %s", req.request_id, exc,
+                                self.worker.worker_id)
+                    timing.recomputed = True
+                    await asyncio.to_thread(self.worker.abort, req.request_id)  # frees the reservation
+                    await asyncio.wrap_future(self.worker.generate_local(req, stream.sink))
             first_chunk = timing.recomputed
             async for chunk in stream.chunks():
                 if first_chunk:
                     chunk.timing, first_chunk = timing, False
                 yield chunk
         finally:
+            self.streams.pop(req.request_id, None)
             if not stream.finished:  # cancelled or failed mid-stream: free the KV here
                 await asyncio.to_thread(self.worker.abort, req.request_id)
 
     async def generate_local(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
         """A whole request on this worker (colocated mode)."""
-        stream = OutputStream()
+        stream = self.streams[req.request_id] = OutputStream()
         try:
             await asyncio.wrap_future(self.worker.generate_local(req, stream.sink))
             async for chunk in stream.chunks():
                 yield chunk
         finally:
+            self.streams.pop(req.request_id, None)
             if not stream.finished:
                 await asyncio.to_thread(self.worker.abort, req.request_id)
 
     async def abort(self, request_id: str) -> None:
-        await asyncio.to_thread(self.worker.abort, request_id)
+        """Free the request's blocks; a stream it has here ends with finish_reason "abort"."""
+        stream = self.streams.get(request_id)
+        if stream is not None:
+            stream.aborted = True  # first: generate() must not recompute what is being aborted
+        out = await asyncio.to_thread(self.worker.abort, request_id)
+        if stream is not None:
+            stream.end_aborted(request_id, out)
 
     async def health(self) -> dict:
         return self.worker.health()

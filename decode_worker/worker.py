@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from engine import EngineConfig, LLMEngine, Role, SamplingParams
+from engine import EngineConfig, LLMEngine, RequestOutput, Role, SamplingParams
 from engine.block_pool import NoFreeBlocks
 from engine.engine_loop import EngineLoop, Sink
 from engine.sampling import TokenLogprobs
@@ -99,8 +99,10 @@ class DecodeWorker:
     def generate_local(self, req: GenerateRequest, sink: Sink) -> Future[None]:
         return self.loop.add_request(req.request_id, req.prompt_token_ids, req.params, sink)
 
-    def abort(self, request_id: str) -> None:
-        self.loop.abort(request_id).result()
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Free the request's blocks, wherever it is; its final ("abort") output, or None when
+        the engine held no running request (only a reservation, or nothing)."""
+        return self.loop.abort(request_id).result()
 
     def health(self) -> dict:
         return {"worker_id": self.worker_id, "role": "decode", "alive": self.loop.alive,

@@ -13,7 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from engine import EngineConfig, LLMEngine, RequestOutput, Role
 from engine.engine_loop import EngineLoop
 from kv_transfer import KVLayout, KVTransferError, SenderChannel, TransferConfig, connect
-from router.types import GenerateRequest, PrefillResult
+from router.types import Aborted, GenerateRequest, PrefillResult
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,8 @@ class PrefillWorker:
         self.channels: dict[str, SenderChannel] = {}
         # One thread per channel: sends leave in the order decode workers pulled them.
         self.senders: dict[str, ThreadPoolExecutor] = {}
+        # Prefills not yet answered: abort() must answer them, as the engine then reports nothing.
+        self.pending: dict[str, Future[PrefillResult]] = {}
 
     def connect(self, decode_id: str, address: tuple[str, int]) -> None:
         """Join decode worker `decode_id`'s transfer server (blocks until it accepts)."""
@@ -45,6 +47,8 @@ class PrefillWorker:
     def prefill(self, req: GenerateRequest) -> Future[PrefillResult]:
         result: Future[PrefillResult] = Future()
         start = time.monotonic()
+        self.pending[req.request_id] = result
+        result.add_done_callback(lambda _: self.pending.pop(req.request_id, None))
 
         def sink(out: RequestOutput | BaseException) -> None:
             if isinstance(out, BaseException):
@@ -83,6 +87,10 @@ class PrefillWorker:
 
     def abort(self, request_id: str) -> None:
         self.loop.abort(request_id).result()
+        # The loop no longer calls this request's sink, so nothing else will answer its caller.
+        pending = self.pending.pop(request_id, None)
+        if pending is not None and not pending.done():
+            pending.set_exception(Aborted(f"request {request_id!r} was aborted during prefill"))
 
     def corrupt_next_payload(self, decode_id: str) -> None:
         """Test hook: flip one byte of the next payload sent to `decode_id`."""

@@ -37,6 +37,7 @@ class Router:
         self.running = 0
         self._slots = asyncio.Semaphore(cfg.max_running)
         self._active: dict[str, tuple[WorkerRef | None, WorkerRef | None]] = {}
+        self._aborted: set[str] = set()  # active requests abort() was called for
         self._health_task: asyncio.Task | None = None
 
     # -- membership ---------------------------------------------------------------
@@ -100,6 +101,7 @@ class Router:
             self.running -= 1
             self._slots.release()
             self._active.pop(req.request_id, None)
+            self._aborted.discard(req.request_id)
 
     async def _colocated(self, req: GenerateRequest):
         worker = self._pick("mixed")
@@ -112,23 +114,31 @@ class Router:
             worker.inflight -= 1
 
     async def _disaggregated(self, req: GenerateRequest, timing: Timing):
+        rid = req.request_id
         prefill = self._pick("prefill")
-        decode = await self._reserve(req, prefill)
-        self._active[req.request_id] = (prefill, decode)
-        prefill.inflight += 1
-        decode.inflight += 1
-        prefilling = True
+        prefill.inflight += 1  # counted from the pick on, so concurrent requests spread out
+        self._active[rid] = (prefill, None)
+        prefilling, decode = True, None
         try:
+            decode = await self._reserve(req, prefill)
+            self._active[rid] = (prefill, decode)
             start = time.monotonic()
             try:
                 first = await prefill.handle.prefill.remote(req)
-            except BaseException:
-                await decode.handle.abort.remote(req.request_id)  # frees the reservation
-                raise
+            except BaseException as exc:
+                await decode.handle.abort.remote(rid)  # frees the reservation
+                if not (rid in self._aborted and isinstance(exc, Exception)):
+                    raise
+                yield _abort_chunk(rid), prefill, decode  # abort() ended the prefill
+                return
             timing.prefill_s = time.monotonic() - start
+            if rid in self._aborted:  # while reserving, or before the prefill worker had the request
+                await asyncio.gather(prefill.handle.abort.remote(rid), decode.handle.abort.remote(rid))
+                yield _abort_chunk(rid), prefill, decode
+                return
             if first.finished:  # the first token already ended it: nothing to transfer
-                await decode.handle.abort.remote(req.request_id)
-                yield Chunk(req.request_id, [first.first_token_id], first.text, True, first.finish_reason,
+                await decode.handle.abort.remote(rid)
+                yield Chunk(rid, [first.first_token_id], first.text, True, first.finish_reason,
                             first.usage, [first.first_logprobs] if first.first_logprobs else None), prefill, None
                 return
             prefill.inflight -= 1
@@ -142,19 +152,31 @@ class Router:
         finally:
             if prefilling:
                 prefill.inflight -= 1
-            decode.inflight -= 1
+            if decode is not None:
+                decode.inflight -= 1
 
     async def _reserve(self, req: GenerateRequest, prefill: WorkerRef):
-        """A decode worker connected to `prefill` with blocks for the prompt's KV."""
+        """A decode worker connected to `prefill` with blocks for the prompt's KV; its
+        inflight count already includes this request."""
         tried: set[str] = set()
         while True:
             decode = self._pick("decode", tried, peer_of=prefill)
-            if await decode.handle.reserve.remote(req.request_id, len(req.prompt_token_ids)):
-                return decode
+            decode.inflight += 1  # before the await, as for the prefill pick
+            try:
+                if await decode.handle.reserve.remote(req.request_id, len(req.prompt_token_ids)):
+                    return decode
+            except BaseException:
+                decode.inflight -= 1
+                raise
+            decode.inflight -= 1
             tried.add(decode.worker_id)
 
     async def abort(self, request_id: str) -> bool:
-        prefill, decode = self._active.get(request_id, (None, None))
+        """Stop an active request on its workers; its stream ends with finish_reason "abort"."""
+        if request_id not in self._active:
+            return False
+        self._aborted.add(request_id)
+        prefill, decode = self._active[request_id]
         calls = [w.handle.abort.remote(request_id) for w in (prefill, decode) if w is not None]
         await asyncio.gather(*calls, return_exceptions=True)
         return bool(calls)
@@ -179,3 +201,7 @@ class Router:
         return {"waiting": self.waiting, "running": self.running, "colocated": self.colocated,
                 "workers": {w.worker_id: {"role": w.role, "healthy": w.healthy, "inflight": w.inflight}
                             for w in self.workers.values()}}
+
+
+def _abort_chunk(request_id: str) -> Chunk:
+    return Chunk(request_id, [], "", True, "abort")

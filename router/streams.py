@@ -14,20 +14,28 @@ class OutputStream:
 
     def __init__(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queue: asyncio.Queue[RequestOutput | Chunk | BaseException] = asyncio.Queue()
         self.finished = False
+        self.aborted = False  # set by abort(), before the engine forgets the request
 
     @property
     def sink(self) -> Sink:
         return lambda out: self._loop.call_soon_threadsafe(self._queue.put_nowait, out)
+
+    def end_aborted(self, request_id: str, out: RequestOutput | None) -> None:
+        """End an aborted request's stream (the engine's abort output reaches no sink): with
+        that output, or an empty "abort" chunk when the engine no longer held it. Queued
+        behind the outputs already delivered, like them."""
+        self.sink(out or Chunk(request_id, [], "", True, "abort"))
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         while not self.finished:
             out = await self._queue.get()
             if isinstance(out, BaseException):
                 raise out
-            self.finished = out.finished
-            yield to_chunk(out)
+            chunk = out if isinstance(out, Chunk) else to_chunk(out)
+            self.finished = chunk.finished
+            yield chunk
 
 
 def to_chunk(out: RequestOutput) -> Chunk:

@@ -15,6 +15,10 @@ class NoWorker(RuntimeError):
     """No live worker of a needed role: retry later."""
 
 
+class Aborted(RuntimeError):
+    """The request was aborted before it produced a result."""
+
+
 @dataclass
 class GenerateRequest:
     request_id: str
