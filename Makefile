@@ -49,7 +49,8 @@ system-deps:
 test: dev
 	$(RAY_ENV) $(PY) -m pytest $(PYTEST_ARGS)
 
-serve: venv
+# The real cluster: local Ray, an embedded redis-server (hence system-deps), 1 prefill + 1 decode.
+serve: venv system-deps
 	$(VENV)/bin/brigade serve $(ARGS)
 
 lint: dev

@@ -17,7 +17,7 @@ EPILOG = """\
 examples:
   brigade generate --prompt "The capital of France is"      # greedy, built-in 'tiny' preset
   brigade generate --model ~/models/Qwen3-0.6B --prompt "Hi" --chat --max-tokens 64
-  brigade serve --model tiny --http-port 8000               # OpenAI-compatible HTTP API
+  brigade serve --prefill 1 --decode 1 --http-port 8000   # OpenAI-compatible HTTP API on a Ray cluster
 
 Run 'brigade <command> --help' for a command's flags.
 """
@@ -37,16 +37,31 @@ prompts file (JSONL, one request a line; outputs come back in input order):
   {"prompt": "Tell me a story", "temperature": 0.7, "seed": 1}
 """
 SERVE_EPILOG = """\
-For now this serves one in-process engine; the multi-worker cluster replaces it.
+Starts a local Ray (or joins one with --ray-address), an embedded redis-server on 127.0.0.1
+(unless --redis-url), the router and the workers, then serves until Ctrl-C or SIGTERM, which
+drain requests in flight and exit 0. Settings come from --config (YAML, the same fields as
+the flags; see cluster.example.yaml), then from the flags, which win. The resolved config is
+printed first; the line 'Brigade serving ... at http://HOST:PORT/v1' says it is ready.
 
 examples:
-  brigade serve                                   # tiny preset on http://127.0.0.1:8000
-  brigade serve --model ~/models/Qwen3-0.6B --device cuda --http-port 9000
+  brigade serve                                   # tiny preset, 1 prefill + 1 decode, http://127.0.0.1:8000
+  brigade serve --prefill 2 --decode 2 --http-port 9000
+  brigade serve --mode colocated --decode 2       # 2 mixed workers (prefill + decode in one engine)
+  brigade serve --config cluster.yaml --num-blocks 4096    # a config file, one field overridden
+  brigade serve --ray-address 10.0.0.5:6379 --redis-url redis://10.0.0.6:6379/0   # join a running Ray cluster
   curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
        -d '{"prompt": "Hello", "max_tokens": 16}'
 """
 
 # Config fields (pydantic error locations) and request fields -> the flag that sets them.
+SERVE_FLAGS = {
+    ("model",): "--model", ("prefill",): "--prefill", ("decode",): "--decode", ("mode",): "--mode",
+    ("ray_address",): "--ray-address", ("redis_url",): "--redis-url", ("host",): "--host",
+    ("http_port",): "--http-port", ("grpc_port",): "--grpc-port", ("num_cpus",): "--num-cpus",
+    ("engine", "dtype"): "--dtype", ("engine", "device"): "--device", ("engine", "block_size"): "--block-size",
+    ("engine", "num_blocks"): "--num-blocks", ("engine", "max_num_batched_tokens"): "--max-num-batched-tokens",
+    ("engine", "max_num_seqs"): "--max-num-seqs", ("engine", "max_model_len"): "--max-model-len",
+}
 CONFIG_FLAGS = {
     ("model",): "--model", ("dtype",): "--dtype", ("device",): "--device", ("seed",): "--seed",
     ("cache", "block_size"): "--block-size", ("cache", "num_blocks"): "--num-blocks",
@@ -79,21 +94,27 @@ def _device(value: str) -> str:
     return value
 
 
-def _engine_flags() -> argparse.ArgumentParser:
+def _engine_flags(defaults: bool = True) -> argparse.ArgumentParser:
+    """Model and engine flags. Without `defaults` an absent flag is None, so that a config
+    file's value is not overridden by a flag nobody gave."""
     from engine.presets import PRESETS
+
+    def default(value: str) -> str | None:
+        return value if defaults else None
 
     parent = argparse.ArgumentParser(add_help=False)
     g = parent.add_argument_group("model and engine")
-    g.add_argument("--model", default="tiny", metavar="PATH|PRESET",
+    g.add_argument("--model", default=default("tiny"), metavar="PATH|PRESET",
                    help=f"HF-format checkpoint directory or built-in preset ({', '.join(PRESETS)}); "
                         "default: tiny")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    g.add_argument("--dtype", default=default("auto"), choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV dtype; auto: the checkpoint's on CUDA, float32 on CPU")
-    g.add_argument("--device", default="auto", type=_device, metavar="auto|cpu|cuda[:N]",
+    g.add_argument("--device", default=default("auto"), type=_device, metavar="auto|cpu|cuda[:N]",
                    help="default: cuda when available, else cpu")
     g.add_argument("--block-size", type=int, metavar="N", help="tokens per KV block (default 16)")
     g.add_argument("--num-blocks", type=int, metavar="N",
-                   help="KV blocks in the pool (default: 85%% of free GPU memory, or 1 GiB on CPU)")
+                   help="KV blocks in the pool%s (default: 85%%%% of free GPU memory, or 1 GiB on CPU)"
+                        % ("" if defaults else " of each worker"))
     g.add_argument("--max-num-batched-tokens", type=int, metavar="N",
                    help="tokens per engine step (default 2048)")
     return parent
@@ -140,17 +161,34 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "as a user message")
     o.add_argument("--json", action="store_true",
                    help="print one JSON object per prompt (token_ids, text, finish_reason, usage)")
-    gen.set_defaults(run="cluster.generate_cmd")
+    gen.set_defaults(run="cluster.generate_cmd", make_config=engine_config)
 
-    srv = sub.add_parser("serve", parents=[engine_flags], formatter_class=fmt, epilog=SERVE_EPILOG,
-                         help="serve an OpenAI-compatible HTTP API",
-                         description="Serve /v1/completions, /v1/models and /health over HTTP.")
-    h = srv.add_argument_group("http")
-    h.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (default 127.0.0.1; 0.0.0.0 exposes it to the network)")
-    h.add_argument("--http-port", type=int, default=8000, metavar="PORT",
-                   help="default 8000; 0 picks a free one")
-    srv.set_defaults(run="cluster.serve_local")
+    srv = sub.add_parser("serve", parents=[_engine_flags(defaults=False)], formatter_class=fmt,
+                         epilog=SERVE_EPILOG, help="serve an OpenAI-compatible HTTP API from a Ray cluster",
+                         description="Serve /v1/completions, /v1/models and /health from a router and "
+                                     "prefill/decode workers on Ray.")
+    c = srv.add_argument_group("cluster")
+    c.add_argument("--config", metavar="FILE.yaml", help="cluster config file (YAML); flags override its fields")
+    c.add_argument("--prefill", type=int, metavar="N", help="prefill workers (default 1; 0 in colocated mode)")
+    c.add_argument("--decode", type=int, metavar="M",
+                   help="decode workers (default 1); in colocated mode, the number of mixed workers")
+    c.add_argument("--mode", choices=["disaggregated", "colocated"],
+                   help="disaggregated (default): prefill and decode on separate workers, KV moved "
+                        "between them; colocated: each worker runs whole requests")
+    c.add_argument("--ray-address", metavar="ADDR", help="join this Ray cluster (default: start Ray locally)")
+    c.add_argument("--redis-url", metavar="URL",
+                   help="Redis for worker registration, redis://[:PASSWORD@]HOST:PORT/DB "
+                        "(default: an embedded redis-server on 127.0.0.1, stopped on exit)")
+    c.add_argument("--num-cpus", type=float, metavar="C", help="CPU cores the workers share (default: all)")
+    w = srv.add_argument_group("workers")
+    w.add_argument("--max-num-seqs", type=int, metavar="N", help="requests a worker runs at once (default 128)")
+    w.add_argument("--max-model-len", type=int, metavar="N",
+                   help="context length (default: the model's max_position_embeddings)")
+    h = srv.add_argument_group("network")
+    h.add_argument("--host", help="address to listen on (default 127.0.0.1); one address, never a wildcard")
+    h.add_argument("--http-port", type=int, metavar="P", help="default 8000; 0 picks a free one")
+    h.add_argument("--grpc-port", type=int, metavar="P", help="the gRPC API's port (not built yet: leave unset)")
+    srv.set_defaults(run="cluster.serve", make_config=cluster_config)
     return parser
 
 
@@ -166,6 +204,57 @@ def engine_config(args: argparse.Namespace):
         cache=given(block_size=args.block_size, num_blocks=args.num_blocks),
         scheduler=given(max_num_batched_tokens=args.max_num_batched_tokens),
     ))
+
+
+def cluster_config(args: argparse.Namespace):
+    """The one place `serve` flags (over the --config file) become a ClusterConfig; every
+    problem is named by its flag, or by its key and the file it came from."""
+    from pydantic import ValidationError
+
+    from cluster.config import load_config
+
+    overrides = {
+        "model": args.model, "prefill": args.prefill, "decode": args.decode, "mode": args.mode,
+        "ray_address": args.ray_address, "redis_url": args.redis_url, "host": args.host,
+        "http_port": args.http_port, "grpc_port": args.grpc_port, "num_cpus": args.num_cpus,
+        "engine": {"dtype": args.dtype, "device": args.device, "block_size": args.block_size,
+                   "num_blocks": args.num_blocks, "max_num_batched_tokens": args.max_num_batched_tokens,
+                   "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len},
+    }
+    try:
+        return load_config(args.config, overrides)
+    except OSError as exc:
+        raise UsageError(f"cannot read config file {args.config}: {exc.strerror or exc}; check the path") from None
+    except ValidationError as exc:
+        raise UsageError(_config_problems(exc, overrides, args.config)) from None
+    except ValueError as exc:  # the file itself: not YAML, not a mapping
+        raise UsageError(f"{exc}; see cluster.example.yaml for the format") from None
+
+
+def _config_problems(exc, overrides: dict, path: str | None) -> str:
+    from cluster.config import ClusterConfig
+
+    problems = []
+    for err in exc.errors():
+        loc = tuple(str(p) for p in err["loc"])
+        key = ".".join(loc)
+        msg = err["msg"].removeprefix("Value error, ")
+        given: object = overrides
+        for part in loc:
+            given = given.get(part) if isinstance(given, dict) else None
+        if err["type"] == "extra_forbidden":
+            model = ClusterConfig
+            for part in loc[:-1]:
+                model = getattr(model.model_fields.get(part), "annotation", None) or model
+            known = ", ".join(getattr(model, "model_fields", {}))
+            problems.append(f"unknown key {key!r}{f' in {path}' if path else ''} (known here: {known})")
+        elif given is not None and loc in SERVE_FLAGS:
+            problems.append(f"{SERVE_FLAGS[loc]}: {msg}")
+        elif loc:
+            problems.append(f"{key}{f' (in {path})' if path else ''}: {msg}")
+        else:
+            problems.append(msg)
+    return f"invalid cluster config: {'; '.join(problems)}"
 
 
 def describe(exc: BaseException) -> str:
@@ -215,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        return importlib.import_module(args.run).run(args, engine_config(args))
+        return importlib.import_module(args.run).run(args, args.make_config(args))
     except _user_errors() as exc:
         fail(describe(exc))
     except KeyboardInterrupt:

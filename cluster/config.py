@@ -67,16 +67,34 @@ class ClusterConfig(_Frozen):
         )
 
 
-def load_config(path: Path | None, overrides: dict) -> ClusterConfig:
-    """The file's fields, then the flags that were given (None means not given)."""
+def load_config(path: Path | str | None, overrides: dict) -> ClusterConfig:
+    """The file's fields, then the flags that were given on top (None means not given).
+
+    Overrides may be nested (`{"engine": {"num_blocks": 64}}`): a flag replaces one field of a
+    section, never the whole section from the file. Raises ValueError (a bad file) or
+    pydantic's ValidationError (a bad field: unknown keys included, `extra="forbid"`).
+    """
     data: dict = {}
     if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text())
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ValueError(f"{path}: a cluster config must be a YAML mapping of fields")
         data = loaded or {}
-    data.update({k: v for k, v in overrides.items() if v is not None})
-    return ClusterConfig.model_validate(data)
+    return ClusterConfig.model_validate(_merge(data, overrides))
+
+
+def _merge(base: dict, overrides: dict) -> dict:
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict):
+            if out.get(key) is None or isinstance(out[key], dict):  # else keep the file's bad value to report
+                out[key] = _merge(out.get(key) or {}, value)
+        elif value is not None:
+            out[key] = value
+    return out
 
 
 def cpu_budget(cfg: ClusterConfig) -> float:

@@ -1,6 +1,7 @@
 """Start or join Ray and place the router, prefill and decode actors (no front door here)."""
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 from dataclasses import dataclass, field
@@ -25,11 +26,35 @@ def start_ray(cfg: ClusterConfig) -> None:
     if cfg.ray_address:
         ray.init(address=cfg.ray_address, namespace=NAMESPACE, runtime_env={"env_vars": env})
         return
+    if is_loopback(cfg.host):
+        _keep_ray_on_loopback()
     # Local: Ray's CPU counts are bookkeeping only; each worker sets its own torch threads.
     # Twice the budget leaves room for workers added after start.
     ray.init(num_cpus=int(2 * max(cpu_budget(cfg), 1)), include_dashboard=False, namespace=NAMESPACE,
              object_store_memory=OBJECT_STORE_BYTES, _node_ip_address=cfg.host,
              runtime_env={"env_vars": env})
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _keep_ray_on_loopback() -> None:
+    """Make a local Ray bind loopback only.
+
+    Ray (2.60) turns a loopback `_node_ip_address` into the machine's routable address unless
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, and with a routable node address its GCS, raylet and
+    worker gRPC servers listen on every interface (`::`). With the node address 127.0.0.1 every
+    daemon and worker listens on 127.0.0.1 only (tests/test_serve.py checks it). The variable is
+    read at `import ray` (hence the constant too) and inherited by the daemons Ray spawns.
+    """
+    from ray._private import ray_constants
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def wants_gpu(cfg: ClusterConfig) -> bool:

@@ -54,6 +54,11 @@ def model_id_for(cfg: EngineConfig, path: Path) -> str:
     return cfg.model_id or (cfg.model if cfg.model in PRESETS else path.name)
 
 
+def context_length(max_model_len: int | None, model_cfg: ModelConfig) -> int:
+    """Tokens a sequence may hold: the configured limit, capped by the model's positions."""
+    return min(max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
+
+
 def build_parts(cfg: EngineConfig) -> EngineParts:
     path = resolve_model(cfg.model)
     model_cfg = ModelConfig.from_dir(path)
@@ -61,7 +66,7 @@ def build_parts(cfg: EngineConfig) -> EngineParts:
     dtype = resolve_dtype(cfg.dtype, model_cfg, device)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    max_len = min(cfg.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
+    max_len = context_length(cfg.max_model_len, model_cfg)
     model = load_model(path, model_cfg, dtype, device)
     num_blocks = kv_cache_blocks(cfg.cache, model_cfg, dtype, device)
     runner = ModelRunner(model, model_cfg, num_blocks, cfg.cache.block_size, dtype, device)

@@ -54,22 +54,9 @@ class LLMEngine:
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequest naming the field if the request can never run here."""
-        if not token_ids:
-            raise InvalidRequest("prompt", "prompt is empty")
-        bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            vocab = self.model_config.vocab_size
-            raise InvalidRequest("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidRequest("prompt", f"prompt has {len(token_ids)} tokens; this model's context is "
-                                           f"{self.max_model_len} (prompt + output must fit)")
-        total = len(token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequest("max_tokens", f"prompt ({len(token_ids)}) + max_tokens ({params.max_tokens}) "
-                                               f"exceeds the context length {self.max_model_len}")
-        if -(-total // self.block_size) > self.pool.num_blocks:
-            raise InvalidRequest("max_tokens", f"needs {-(-total // self.block_size)} KV blocks; "
-                                               f"the pool has {self.pool.num_blocks}")
+        check_request(token_ids, params, vocab_size=self.model_config.vocab_size,
+                      max_model_len=self.max_model_len, block_size=self.block_size,
+                      num_blocks=self.pool.num_blocks)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> None:
         params = params or SamplingParams()
@@ -279,6 +266,27 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
             "prefix_hit_rate": cs.hit_rate, "evicted_blocks": cs.evicted_blocks,
         }
+
+
+def check_request(token_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
+                  block_size: int, num_blocks: int) -> None:
+    """Raise InvalidRequest naming the field if the request can never run on an engine of this
+    shape. Also used where no engine lives (the cluster's front door), so errors read the same."""
+    if not token_ids:
+        raise InvalidRequest("prompt", "prompt is empty")
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    if len(token_ids) >= max_model_len:
+        raise InvalidRequest("prompt", f"prompt has {len(token_ids)} tokens; this model's context is "
+                                       f"{max_model_len} (prompt + output must fit)")
+    total = len(token_ids) + params.max_tokens
+    if total > max_model_len:
+        raise InvalidRequest("max_tokens", f"prompt ({len(token_ids)}) + max_tokens ({params.max_tokens}) "
+                                           f"exceeds the context length {max_model_len}")
+    if -(-total // block_size) > num_blocks:
+        raise InvalidRequest("max_tokens", f"needs {-(-total // block_size)} KV blocks; "
+                                           f"the pool has {num_blocks}")
 
 
 def _holdback(params: SamplingParams) -> int:

@@ -1,4 +1,5 @@
-"""The `brigade` command line end to end: generate, bad inputs, and the local HTTP server.
+"""The `brigade` command line end to end: generate, bad inputs, help. (`brigade serve`, which
+starts the cluster, is tests/test_serve.py.)
 
 Every CLI process imports torch and loads the tiny preset (seconds on a shared CPU), so the
 real-process runs start together once per module and tests share their results. Bad inputs
@@ -9,12 +10,8 @@ from __future__ import annotations
 
 import io
 import json
-import select
-import signal
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -178,7 +175,7 @@ def test_flags_map_to_one_engine_config() -> None:
     assert (config.model, config.dtype, config.device, config.seed) == ("tiny-moe", "float32", "cpu", 3)
     assert (config.cache.block_size, config.cache.num_blocks) == (8, 64)
     assert config.scheduler.max_num_batched_tokens == 256
-    defaults = cli.engine_config(cli.build_parser().parse_args(["serve"]))
+    defaults = cli.engine_config(cli.build_parser().parse_args(["generate", "--prompt", "x"]))
     assert defaults.cache.num_blocks is None and defaults.cache.block_size == 16
 
 
@@ -188,98 +185,3 @@ def test_help_teaches_with_examples(argv: list[str], capsys) -> None:
         cli.main(argv)
     assert exit_info.value.code == 0
     assert "examples:\n  brigade " in capsys.readouterr().out
-
-
-# -- serve -------------------------------------------------------------------------------------
-
-
-def _request(url: str, body: dict | bytes | None = None) -> tuple[int, dict]:
-    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, data=data), timeout=60) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
-def _events(resp) -> list:
-    """The SSE stream's payloads, in order; the literal [DONE] stays a string."""
-    events = []
-    for line in resp:
-        if line.startswith(b"data: "):
-            payload = line[6:].strip()
-            events.append(payload.decode() if payload == b"[DONE]" else json.loads(payload))
-    return events
-
-
-def _stream(url: str, body: dict):
-    req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode())
-    return urllib.request.urlopen(req, timeout=60)
-
-
-def test_serve_completions_errors_and_graceful_sigterm(runs, tmp_path: Path) -> None:
-    log = (tmp_path / "serve.log").open("w")
-    proc = subprocess.Popen([*CLI, "serve", "--http-port", "0", *SMALL_POOL], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=log, text=True)
-    try:
-        ready, _, _ = select.select([proc.stdout], [], [], 120)
-        assert ready, "server printed no URL within 120 s"
-        line = proc.stdout.readline()
-        assert line.startswith("Brigade serving tiny at http://127.0.0.1:"), line
-        base = line.split(" at ")[1].split()[0].removesuffix("/v1")
-
-        assert _request(f"{base}/health") == (200, {"status": "ok"})
-        status, models = _request(f"{base}/v1/models")
-        assert status == 200 and models["data"][0]["id"] == "tiny"
-
-        body = {"model": "tiny", "prompt": TEXT_PROMPT, "max_tokens": 8, "temperature": 0}
-        status, done = _request(f"{base}/v1/completions", body)
-        assert status == 200, done
-        assert done["choices"][0]["text"] + "\n" == runs["text"][1]  # same answer as the CLI
-        assert done["choices"][0]["finish_reason"] == "length"
-        assert done["usage"]["completion_tokens"] == 8 and done["usage"]["prompt_tokens"] == 3
-        assert done["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
-
-        with _stream(f"{base}/v1/completions", {**body, "stream_options": {"include_usage": True}}) as resp:
-            assert resp.headers["Content-Type"] == "text/event-stream"
-            events = _events(resp)
-        assert events[-1] == "[DONE]"
-        chunks, usage = events[:-2], events[-2]
-        assert "".join(c["choices"][0]["text"] for c in chunks) == done["choices"][0]["text"]
-        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-        assert usage["usage"]["completion_tokens"] == 8
-
-        status, err = _request(f"{base}/v1/completions", {"prompt": [1, 2, 3], "temperature": -1})
-        assert status == 400 and err["error"]["param"] == "temperature", err
-        assert err["error"]["type"] == "invalid_request_error"
-        assert _request(f"{base}/v1/completions", b"{not json")[0] == 400
-        assert _request(f"{base}/v1/nope")[0] == 404
-
-        # SIGTERM mid-stream: the request in flight still finishes, then the process exits 0.
-        with _stream(f"{base}/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 32, "ignore_eos": True,
-                                                "temperature": 0}) as resp:
-            first = resp.readline()
-            assert first.startswith(b"data: {")
-            proc.send_signal(signal.SIGTERM)
-            rest = _events(resp)
-        assert rest[-1] == "[DONE]" and rest[-2]["choices"][0]["finish_reason"] == "length"
-        assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
-        print((tmp_path / "serve.log").read_text(), file=sys.stderr)  # pytest shows it on failure
-
-
-def test_serve_refuses_a_taken_port(capsys) -> None:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        port = s.getsockname()[1]
-        with pytest.raises(SystemExit) as exit_info:
-            cli.main(["serve", "--http-port", str(port), "--num-blocks", "64"])
-    assert exit_info.value.code == 2
-    assert capsys.readouterr().err.startswith(f"error: cannot listen on 127.0.0.1:{port}")

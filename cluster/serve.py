@@ -1,0 +1,209 @@
+"""`brigade serve`: the cluster (router + prefill/decode Ray actors) behind the HTTP API.
+
+Start-up runs in the order that makes the cheap failures come first: the config (checked by
+the CLI before this runs), the HTTP port, the model's config.json and tokenizer, Redis
+(an embedded redis-server on 127.0.0.1 unless --redis-url), Ray and the actors, then each
+worker's registration (a lease in Redis, kept alive from this process for now). Then it
+serves until SIGINT or SIGTERM, and drains: /health answers 503, the listener closes,
+requests in flight get DRAIN_S to finish, and everything started here stops in reverse
+order. Exit code 0.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import sys
+import threading
+import time
+
+import yaml
+
+from cluster.cli import UsageError
+from cluster.config import ClusterConfig
+from cluster.http_api import ApiServer
+
+DRAIN_S = 30.0  # how long a stop waits for requests in flight
+REDIS_PREFIX = "brigade"
+
+
+class _Stop(BaseException):
+    """A stop signal during start-up: unwinds through the cleanup below."""
+
+
+def config_yaml(cfg: ClusterConfig) -> str:
+    data = cfg.model_dump(mode="json")
+    if data.get("redis_url"):
+        data["redis_url"] = re.sub(r"//[^@/]*@", "//***@", data["redis_url"])
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def run(args, cfg: ClusterConfig) -> int:
+    print("# brigade serve: resolved config (file, then flags)", flush=True)
+    print(config_yaml(cfg), end="", flush=True)
+    try:  # before anything slow, so a taken port fails at once
+        server = ApiServer(cfg.host, cfg.http_port)
+    except OSError as exc:
+        raise UsageError(f"cannot listen on {cfg.host}:{cfg.http_port}: {exc.strerror or exc}; "
+                         "pick another --http-port or --host") from None
+
+    signals = _Signals().install()
+    services = _Services()
+    stopping = False  # a stop was asked for (rather than an error): say when it is done
+    try:
+        try:
+            services.start(cfg, signals)
+        except _Stop as why:
+            print(f"{why} during start-up: stopping", file=sys.stderr, flush=True)
+            stopping = True
+            return 0
+        server.backend = services.backend
+        signals.starting = False
+        threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+        workers = (f"{cfg.decode} mixed" if cfg.mode == "colocated"
+                   else f"{cfg.num_prefill} prefill, {cfg.decode} decode")
+        print(f"Brigade serving {cfg.model} at {server.url}/v1 ({workers}, {cfg.mode})", flush=True)
+        while not signals.stop.wait(0.5):
+            pass
+        stopping = True
+        _drain(server)
+        return 0
+    finally:
+        signals.starting = False  # a signal from here on only sets `stop`
+        server.server_close()
+        services.stop()
+        if stopping:
+            print("stopped", file=sys.stderr, flush=True)
+
+
+class _Signals:
+    """SIGINT/SIGTERM set `stop`. During start-up, start() checks it between steps (raising
+    _Stop, which unwinds through the cleanup): an exception raised from a signal handler
+    inside Ray's C++ calls leaves Ray in a broken state. A second signal during start-up
+    raises at once, for a start that hangs."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.starting = True
+        self._count = 0
+
+    def install(self) -> _Signals:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        return self
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        self.stop.set()
+        self._count += 1
+        if self.starting and self._count > 1:
+            raise _Stop(f"a second {signal.Signals(signum).name}")
+
+    def check(self) -> None:
+        if self.stop.is_set() and self.starting:
+            raise _Stop("a stop signal")
+
+    @contextlib.contextmanager
+    def kept_through_ray_init(self):
+        """ray.init installs SIGTERM handlers that exit from wherever it is (leaking the agents
+        a half-started raylet was spawning): keep ours instead, and stop once Ray is whole."""
+        from ray._private import utils as ray_utils
+
+        install_ray_handler, ray_utils.set_sigterm_handler = ray_utils.set_sigterm_handler, lambda _handler: None
+        try:
+            yield
+        finally:
+            ray_utils.set_sigterm_handler = install_ray_handler
+            self.install()
+
+
+def _drain(server: ApiServer) -> None:
+    print(f"stopping: draining {server.in_flight} request(s) in flight (up to {DRAIN_S:g} s) ...",
+          file=sys.stderr, flush=True)
+    server.draining.set()  # /health and new requests answer 503 from here on
+    server.shutdown()
+    server.server_close()  # new connections are refused; handler threads carry on
+    if not server.wait_idle(DRAIN_S):
+        print(f"{server.in_flight} request(s) still running after {DRAIN_S:g} s: stopping anyway",
+              file=sys.stderr, flush=True)
+
+
+class _Services:
+    """What `serve` starts besides the HTTP server, stopped in reverse order (each part
+    only if it started)."""
+
+    def __init__(self) -> None:
+        self.redis = None
+        self.registry = None
+        self.leases: dict[str, tuple[int, object]] = {}  # worker id -> (epoch, Heartbeat)
+        self.cluster = None
+        self.ray_started = False
+        self.backend = None
+
+    def start(self, cfg: ClusterConfig, signals: _Signals) -> None:
+        from cluster.redis_server import EmbeddedRedis, RedisServerError
+        from cluster.registry import RegistryError, WorkerRegistry
+
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        from cluster.backend import ClusterBackend  # imports ray
+        from cluster.launch import launch, start_ray
+
+        backend = ClusterBackend(cfg)  # reads config.json + tokenizer: a bad --model fails before Ray
+        signals.check()
+        try:
+            if cfg.redis_url is None:
+                self.redis = EmbeddedRedis().start()
+                print(f"redis: embedded redis-server at {self.redis.url}", file=sys.stderr, flush=True)
+            self.registry = WorkerRegistry(cfg.redis_url or self.redis.url, prefix=REDIS_PREFIX)
+        except (RedisServerError, RegistryError) as exc:
+            raise UsageError(str(exc)) from None
+
+        print(f"starting Ray {'(joining ' + cfg.ray_address + ')' if cfg.ray_address else 'locally'} "
+              "and the workers ...", file=sys.stderr, flush=True)
+        signals.check()
+        self.ray_started = True
+        with signals.kept_through_ray_init():
+            start_ray(cfg)
+        signals.check()
+        self.cluster = launch(cfg)  # the longest step: a stop signal takes effect after it
+        signals.check()
+        info = {"model": cfg.model, "mode": cfg.mode, "host": cfg.host, "pid": os.getpid()}
+        for worker_id in self.cluster.workers:
+            self._register(worker_id, worker_id.rsplit("-", 1)[0], info)
+        backend.attach(self.cluster)
+        self.backend = backend
+
+    def _register(self, worker_id: str, role: str, info: dict) -> None:
+        from cluster.registry import Heartbeat
+
+        epoch = self.registry.register(worker_id, role, info)
+        self.leases[worker_id] = (epoch, Heartbeat(self.registry, worker_id, epoch).start())
+
+    def stop(self) -> None:
+        for worker_id, (epoch, heartbeat) in self.leases.items():
+            heartbeat.stop()
+            _quietly(self.registry.deregister, worker_id, epoch)
+        self.leases.clear()
+        if self.registry is not None:
+            _quietly(self.registry.redis.close)
+        if self.cluster is not None:
+            _quietly(self.cluster.shutdown)
+            self.cluster = None
+        if self.ray_started:
+            import ray
+
+            _quietly(ray.shutdown)
+            self.ray_started = False
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+
+def _quietly(fn, *args) -> None:
+    start = time.monotonic()
+    try:
+        fn(*args)
+    except Exception as exc:  # stopping goes on: what could not stop is reported, not fatal
+        print(f"while stopping ({getattr(fn, '__qualname__', fn)}): {exc!r}", file=sys.stderr, flush=True)
+    if time.monotonic() - start > 10:
+        print(f"{getattr(fn, '__qualname__', fn)} took {time.monotonic() - start:.0f} s", file=sys.stderr)
