@@ -1,0 +1,426 @@
+"""Helpers shared by the benchmarks in this directory (not a benchmark itself: `make bench` skips `_*`).
+
+Every benchmark writes `benchmarks/results/<name>.json` shaped as
+
+    {"machine": {...}, "ratios": {"<key>": float}, "targets": {"<key>": "<= 2.0"}, "raw": {...}}
+
+`ratios` are dimensionless numbers measured against a baseline taken in the same run (a
+bandwidth floor, another implementation, a cold path), so they stay meaningful across
+machines; `targets` say what each ratio should satisfy; `raw` keeps every timing behind them.
+A missed target is reported (MISS), never an error: benchmarks exit 0 so results are recorded.
+"""
+from __future__ import annotations
+
+import json
+import math
+import operator
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+_OPS: dict[str, Callable[[float, float], bool]] = {
+    "<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt,
+}
+
+
+# -- machine ------------------------------------------------------------------------
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _mem_total_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return None
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _system_busy_seconds() -> float | None:
+    """CPU seconds all processes have spent busy since boot (/proc/stat; steal counts as busy)."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except (OSError, IndexError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuWatch:
+    """How much of the machine other processes used while a phase ran.
+
+    `other_cpu_share` = (all busy CPU time - this process's CPU time) / (wall time * cores).
+    Near 0 on a quiet machine; 0.25 on 2 cores means one other busy thread half the time.
+    torch's threads wait for each other, so even a small share can slow a phase a lot.
+    """
+
+    def __init__(self) -> None:
+        self.wall = time.perf_counter()
+        self.busy = _system_busy_seconds()
+        t = os.times()
+        self.own = t.user + t.system
+
+    def stop(self) -> dict[str, Any]:
+        wall = time.perf_counter() - self.wall
+        t = os.times()
+        own = t.user + t.system - self.own
+        busy_now = _system_busy_seconds()
+        out: dict[str, Any] = {"wall_s": wall, "own_cpu_s": own, "load_average": load_average()}
+        if self.busy is not None and busy_now is not None and wall > 0:
+            others = max(0.0, busy_now - self.busy - own)
+            out["other_cpu_share"] = min(1.0, others / (wall * (os.cpu_count() or 1)))
+        return out
+
+
+def machine_info(**extra: Any) -> dict[str, Any]:
+    """Facts that decide how comparable two result files are. Call after setting torch threads."""
+    import torch
+
+    info: dict[str, Any] = {
+        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "mem_total_gib": _mem_total_gib(),
+        "load_average_start": load_average(),
+        "torch": torch.__version__,
+        "torch_num_threads": torch.get_num_threads(),
+        "torch_num_interop_threads": torch.get_num_interop_threads(),
+        "mkldnn": torch.backends.mkldnn.is_available(),
+        "mkl": torch.backends.mkl.is_available(),
+        "cuda": torch.cuda.is_available(),
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "argv": sys.argv[1:],
+    }
+    info.update(extra)
+    return info
+
+
+def set_all_threads() -> int:
+    """Let torch use every core this process may run on; returns the thread count."""
+    import torch
+
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, n))
+    return torch.get_num_threads()
+
+
+# -- measuring ----------------------------------------------------------------------
+def measure_copy_bandwidth(mib: int = 256, reps: int = 7) -> dict[str, Any]:
+    """Main-memory bandwidth from large float32 tensors, best of `reps`.
+
+    copy: `dst.copy_(src)`, counting read + write bytes (2*N/t, STREAM "copy" convention).
+    read: `src.sum()`, counting the bytes read (N/t). Tensors are far larger than any cache.
+    """
+    import torch
+
+    n = mib * 2**20 // 4
+    src = torch.ones(n, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in before timing
+    nbytes = n * 4
+    copy_t, read_t = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        copy_t.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        src.sum()
+        read_t.append(time.perf_counter() - t0)
+    del src, dst
+    return {
+        "tensor_bytes": nbytes,
+        "reps": reps,
+        "copy_bytes_per_s": 2 * nbytes / min(copy_t),
+        "read_bytes_per_s": nbytes / min(read_t),
+        "copy_seconds": copy_t,
+        "read_seconds": read_t,
+        "copy_median_bytes_per_s": 2 * nbytes / statistics.median(copy_t),
+        "read_median_bytes_per_s": nbytes / statistics.median(read_t),
+    }
+
+
+def summarize(samples: Iterable[float]) -> dict[str, float]:
+    """Median, mean, min, max, p10, p90 and count of a list of timings (same unit as input)."""
+    xs = sorted(samples)
+    if not xs:
+        return {"n": 0}
+
+    def pct(p: float) -> float:
+        k = (len(xs) - 1) * p
+        lo, hi = math.floor(k), math.ceil(k)
+        return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+    return {"n": len(xs), "median": statistics.median(xs), "mean": statistics.fmean(xs),
+            "min": xs[0], "max": xs[-1], "p10": pct(0.1), "p90": pct(0.9)}
+
+
+@contextmanager
+def progress(description: str, total: float | None, enabled: bool = True):
+    """A rich progress bar (transient) yielding `advance(n=1)`; a no-op when disabled."""
+    if not enabled:
+        yield lambda n=1: None
+        return
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), transient=True, refresh_per_second=4) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n=1: bar.advance(task, n)
+
+
+# -- targets and results ---------------------------------------------------------------
+def parse_target(target: str) -> tuple[str, float]:
+    """'<= 2.0' -> ('<=', 2.0)."""
+    text = target.strip()
+    for op in sorted(_OPS, key=len, reverse=True):
+        if text.startswith(op):
+            return op, float(text[len(op):])
+    raise ValueError(f"target {target!r} must start with one of {', '.join(_OPS)}")
+
+
+def meets(value: float | None, target: str) -> bool:
+    if value is None or not math.isfinite(value):
+        return False
+    op, bound = parse_target(target)
+    return _OPS[op](value, bound)
+
+
+def print_ratios(ratios: dict[str, float | None], targets: dict[str, str], title: str = "") -> bool:
+    """Print ratio | target | PASS/MISS side by side; returns True when every target is met."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title or None)
+    table.add_column("ratio")
+    table.add_column("value", justify="right")
+    table.add_column("target", justify="right")
+    table.add_column("", justify="center")
+    ok_all = True
+    for key, value in ratios.items():
+        target = targets.get(key)
+        shown = "n/a" if value is None else f"{value:.3f}"
+        if target is None:
+            table.add_row(key, shown, "-", "")
+            continue
+        ok = meets(value, target)
+        ok_all &= ok
+        table.add_row(key, shown, target, "[green]PASS[/]" if ok else "[red]MISS[/]")
+    Console().print(table)
+    return ok_all
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if hasattr(obj, "item") and callable(obj.item):  # numpy / torch scalars
+        return _jsonable(obj.item())
+    return obj
+
+
+def result_path(name: str, suffix: str = ".json", out_dir: Path | None = None) -> Path:
+    return Path(out_dir or RESULTS_DIR) / f"{name}{suffix}"
+
+
+def write_result(name: str, machine: dict, ratios: dict, targets: dict, raw: dict,
+                 out_dir: Path | None = None) -> Path:
+    """Write `<out_dir>/<name>.json` (default benchmarks/results/) atomically; returns its path."""
+    path = result_path(name, ".json", out_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = _jsonable({"machine": machine, "ratios": ratios, "targets": targets, "raw": raw})
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+# -- plotting -----------------------------------------------------------------------------
+def bar_panel(ax, labels: list[str], values: list[float], title: str, ylabel: str,
+              colors: list[str] | None = None, fmt: str = "{:.3g}") -> None:
+    """One labelled bar chart on a matplotlib axis, each bar annotated with its value."""
+    bars = ax.bar(labels, values, color=colors)
+    for b, v in zip(bars, values):
+        ax.annotate(fmt.format(v), (b.get_x() + b.get_width() / 2, b.get_height()),
+                    ha="center", va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
+    ax.set_title(title, fontsize=10)
+    ax.set_ylabel(ylabel)
+    ax.margins(y=0.15)
+    ax.tick_params(axis="x", labelsize=8)
+
+
+def ratio_caption(key: str, ratios: dict, targets: dict) -> str:
+    value, target = ratios.get(key), targets.get(key)
+    if value is None:
+        return f"{key}: n/a"
+    verdict = "" if target is None else (" PASS" if meets(value, target) else " MISS")
+    return f"{key} = {value:.2f} (target {target}){verdict}"
+
+
+def new_figure(ncols: int, title: str, width_per_panel: float = 4.2, height: float = 4.0):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, ncols, figsize=(width_per_panel * ncols, height), squeeze=False)
+    fig.suptitle(title, fontsize=11)
+    return fig, list(axes[0])
+
+
+def save_figure(fig, name: str, out_dir: Path | None = None) -> Path:
+    import matplotlib.pyplot as plt
+
+    path = result_path(name, ".png", out_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def percentile(samples: Iterable[float], p: float) -> float | None:
+    """The p-th percentile (0..100) with linear interpolation between order statistics (numpy's
+    default); None for no samples."""
+    xs = sorted(samples)
+    if not xs:
+        return None
+    k = (len(xs) - 1) * p / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def latency_stats(samples: Iterable[float]) -> dict[str, float]:
+    """n, mean, p50, p90, p99, max of latencies (same unit as input): the tail-latency view
+    `summarize` leaves out."""
+    xs = list(samples)
+    if not xs:
+        return {"n": 0}
+    return {"n": len(xs), "mean": statistics.fmean(xs), "p50": percentile(xs, 50), "p90": percentile(xs, 90),
+            "p99": percentile(xs, 99), "max": max(xs)}
+
+
+def steal_seconds() -> float | None:
+    """CPU seconds stolen from this VM by its hypervisor since boot (/proc/stat), all cores together:
+    time other guests on the same physical cores took."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+        return int(fields[7]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _process_label(pid: int, ppid: int, cmdline: list[str], name: str, ours: set[int]) -> str:
+    """'this process', 'ours: ray::DecodeActor' (a descendant: Ray's daemons and workers started by
+    this process), 'other: python engine_bench.py', 'kernel: kworker'."""
+    if pid == os.getpid():
+        return "this process"
+    if ppid == 2 or pid == 2:  # kthreadd's children
+        return f"kernel: {name.split('/')[0]}"
+    head = cmdline[0] if cmdline else name
+    if head.startswith("ray::"):
+        what = head.split(".")[0].split("(")[0].strip()  # "ray::DecodeActor.generate()" -> "ray::DecodeActor"
+    else:
+        what = os.path.basename(head.split()[0]) if head.strip() else name
+        if what.startswith("python"):
+            args = [a for a in cmdline[1:] if not a.startswith("-")]
+            if "-m" in cmdline[1:3] and args:
+                what = f"python -m {args[0]}"
+            elif args:
+                what = f"python {os.path.basename(args[0])}"
+    return f"{'ours' if pid in ours else 'other'}: {what}"
+
+
+def process_cpu_snapshot() -> dict:
+    """pid -> (label, user+system CPU seconds, start time) for every process visible here (psutil),
+    plus key None -> the snapshot's wall time. Labels tell this process's descendants ("ours:
+    ray::RouterActor": Ray's daemons and workers, when this process started Ray) from everyone
+    else's ("other: ...") and from kernel threads."""
+    import psutil
+
+    taken = time.time()
+    try:
+        ours = {c.pid for c in psutil.Process().children(recursive=True)}
+    except psutil.Error:
+        ours = set()
+    out: dict = {None: taken}
+    for p in psutil.process_iter(["pid", "ppid", "name", "cmdline", "cpu_times", "create_time"]):
+        try:
+            ct = p.info["cpu_times"]
+            if ct is None:
+                continue
+            label = _process_label(p.pid, p.info["ppid"] or 0, p.info["cmdline"] or [], p.info["name"] or "?", ours)
+            out[p.pid] = (label, ct.user + ct.system, p.info["create_time"] or 0.0)
+        except (psutil.Error, OSError):
+            continue
+    return out
+
+
+def cpu_by_process(before: dict, after: dict, wall_s: float) -> dict[str, float]:
+    """Cores each process label used between two process_cpu_snapshot()s (CPU seconds / wall
+    seconds, summed over the processes sharing a label, labelled as in `after`), largest first.
+    A process started in between counts from zero; one already running but missed by `before`
+    is left out."""
+    used: dict[str, float] = {}
+    for pid, rec in after.items():
+        if pid is None:
+            continue
+        label, cpu, created = rec
+        prev = before.get(pid)
+        if prev is not None and abs(prev[2] - created) < 1e-3:
+            delta = cpu - prev[1]
+        elif created >= before.get(None, float("inf")) - 0.5:
+            delta = cpu
+        else:
+            continue
+        if delta > 0:
+            used[label] = used.get(label, 0.0) + delta
+    return dict(sorted(((k, v / wall_s) for k, v in used.items() if v / wall_s >= 0.005),
+                       key=lambda kv: -kv[1]))
