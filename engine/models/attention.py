@@ -81,8 +81,9 @@ def _prefill(q, k, v, k_cache, v_cache, span: PrefillSpan, scale: float) -> torc
         qpos = torch.arange(span.context_len - t, span.context_len, device=q.device)
         mask = torch.arange(span.context_len, device=q.device)[None, :] <= qpos[:, None]  # (t, S)
         causal = False
+    # A leading batch dim matters: with 3-D inputs CPU SDPA falls back to its slow math path.
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),
+        q.transpose(0, 1)[None], keys.transpose(0, 1)[None], vals.transpose(0, 1)[None],
         attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
-    )  # (H, t, hd)
-    return out.transpose(0, 1)
+    )  # (1, H, t, hd)
+    return out[0].transpose(0, 1)
