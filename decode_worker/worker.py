@@ -14,11 +14,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
+import torch
+
 from engine import EngineConfig, LLMEngine, RequestOutput, Role, SamplingParams
 from engine.block_pool import NoFreeBlocks
 from engine.engine_loop import EngineLoop, Sink
 from engine.sampling import TokenLogprobs
-from kv_transfer import KVLayout, KVTransferError, ReceiverChannel, TransferConfig, TransferServer
+from kv_transfer import KVLayout, KVTransferError, ReceiverChannel, TransferConfig, TransferServer, payload_view
 from router.types import GenerateRequest
 
 
@@ -33,6 +35,10 @@ class DecodeWorker:
         self.server = TransferServer(transfer_cfg)
         self.channels: dict[str, ReceiverChannel] = {}  # by prefill worker id
         self.locks: dict[str, threading.Lock] = {}  # one transfer at a time per channel
+        self.buffers: dict[str, torch.Tensor] = {}  # per channel: a reused flat receive buffer
+        self.reserved: dict[str, list[int]] = {}  # request id -> its reserved blocks
+        self.pulling: set[str] = set()  # requests whose KV is being written into their blocks
+        self.pull_done = threading.Condition()
 
     @property
     def address(self) -> tuple[str, int]:
@@ -56,7 +62,7 @@ class DecodeWorker:
     def reserve(self, request_id: str, num_tokens: int) -> bool:
         def reserve(engine: LLMEngine) -> bool:
             try:
-                engine.reserve(request_id, num_tokens)
+                self.reserved[request_id] = engine.reserve(request_id, num_tokens)
                 return True
             except NoFreeBlocks:
                 return False
@@ -73,21 +79,44 @@ class DecodeWorker:
         if channel is None:
             raise KVTransferError(f"no channel from {prefill_id!r}")
         start = time.monotonic()
-        with self.locks[prefill_id]:
-            if not request_push():
-                raise KVTransferError(f"{prefill_id!r} does not hold {request_id!r}")
-            header = channel.recv_header(self.transfer_cfg.timeout_s)
-            if header.request_id != request_id:  # cannot happen while pulls are serialised per channel
-                channel.refuse(header)
-                raise KVTransferError(f"expected KV of {request_id!r}, got {header.request_id!r}")
-            kv = channel.recv_payload(header)
-        self.loop.call(lambda e: e.write_kv(e.reservations[request_id], kv)).result()
+        blocks = self.reserved.get(request_id)
+        if blocks is None:
+            raise KVTransferError(f"no blocks reserved for {request_id!r}")
+        with self.pull_done:
+            self.pulling.add(request_id)
+        try:
+            with self.locks[prefill_id]:
+                if not request_push():
+                    raise KVTransferError(f"{prefill_id!r} does not hold {request_id!r}")
+                header = channel.recv_header(self.transfer_cfg.timeout_s)
+                if header.request_id != request_id:  # cannot happen while pulls are serialised per channel
+                    channel.refuse(header)
+                    raise KVTransferError(f"expected KV of {request_id!r}, got {header.request_id!r}")
+                kv = channel.recv_payload(header, self._buffer(prefill_id, header))
+                # Written from this thread, not the engine's: reserved blocks belong to no running
+                # sequence until admit(), so the step never touches them, and abort() waits for
+                # us (below) before it can hand them to anyone else.
+                self.engine.write_kv(blocks, kv)
+        finally:
+            with self.pull_done:
+                self.pulling.discard(request_id)
+                self.pull_done.notify_all()
         return header.payload_nbytes, time.monotonic() - start
+
+    def _buffer(self, prefill_id: str, header) -> torch.Tensor:
+        """A receive buffer for this channel, reused across requests (no per-request allocation)."""
+        buf = self.buffers.get(prefill_id)
+        if buf is None or buf.numel() < header.payload_nbytes:
+            buf = torch.empty(header.payload_nbytes, dtype=torch.uint8, 
+                               device=self.channels[prefill_id].link.payload_device)
+            self.buffers[prefill_id] = buf
+        return payload_view(buf, header)
 
     def start(self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams,
               cached_tokens: int, first_logprobs: TokenLogprobs | None, sink: Sink) -> Future[None]:
         """Admit a request whose KV is in its reserved blocks; its outputs go to `sink`."""
         def admit(engine: LLMEngine) -> None:
+            self.reserved.pop(request_id, None)  # the engine's sequence owns the blocks from here
             self.loop.watch_now(request_id, sink)
             try:
                 engine.admit(request_id, prompt_token_ids, first_token_id, params, cached_tokens, first_logprobs)
@@ -102,6 +131,9 @@ class DecodeWorker:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Free the request's blocks, wherever it is; its final ("abort") output, or None when
         the engine held no running request (only a reservation, or nothing)."""
+        with self.pull_done:  # never free blocks a pull is still writing into
+            self.pull_done.wait_for(lambda: request_id not in self.pulling)
+        self.reserved.pop(request_id, None)
         return self.loop.abort(request_id).result()
 
     def health(self) -> dict:

@@ -194,7 +194,7 @@ class LLMEngine:
         """Copy a prefilled request's KV blocks out; by default free them here too."""
         seq = self.prefilled[request_id]
         blocks = seq.block_table[: -(-seq.num_computed // self.block_size)]
-        kv = self.runner.kv_cache[:, :, blocks]  # (2, L, nb, bs, Hkv, hd), a copy
+        kv = self.runner.read_blocks(blocks)  # (2, L, nb, bs, Hkv, hd), a copy
         out = KVExport(request_id, seq.prompt_token_ids, seq.token_ids[-1], seq.num_computed, kv, blocks,
                        seq.num_cached_tokens or 0, seq.logprobs[-1] if seq.logprobs else None)
         if release:
@@ -216,7 +216,7 @@ class LLMEngine:
         return blocks
 
     def write_kv(self, block_ids: list[int], kv: torch.Tensor) -> None:
-        self.runner.kv_cache[:, :, block_ids] = kv.to(self.device, self.dtype)
+        self.runner.write_blocks(block_ids, kv)
 
     def admit(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
               params: SamplingParams, cached_tokens: int = 0,

@@ -34,6 +34,19 @@ class ModelRunner:
             dtype=dtype, device=device,
         )  # (2, L, NB, bs, Hkv, hd)
 
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A contiguous copy of these blocks: (2, L, len(block_ids), bs, Hkv, hd)."""
+        out = torch.empty((*self.kv_cache.shape[:2], len(block_ids), *self.kv_cache.shape[3:]),
+                          dtype=self.kv_cache.dtype, device=self.kv_cache.device)
+        for i, b, n in _runs(block_ids):
+            out[:, :, i : i + n].copy_(self.kv_cache[:, :, b : b + n])
+        return out
+
+    def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        kv = kv.to(self.kv_cache.device, self.kv_cache.dtype)
+        for i, b, n in _runs(block_ids):
+            self.kv_cache[:, :, b : b + n].copy_(kv[:, :, i : i + n])
+
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """Compute `batch` (decodes first) and return logits (N, V) for the rows that sample."""
@@ -79,3 +92,16 @@ class ModelRunner:
     def _tensor(self, values) -> torch.Tensor:
         t = torch.tensor(values, dtype=torch.long)
         return t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t
+
+
+def _runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(position, first block, length) of each run of consecutive block ids. Slice copies of
+    runs are ~3x faster than one index_put over scattered ids, and allocations from the free
+    list mostly come in runs."""
+    runs: list[tuple[int, int, int]] = []
+    for i, b in enumerate(block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, b, 1))
+    return runs

@@ -1,7 +1,7 @@
 """A prefill worker: an engine in prefill role whose requests end at their first token.
 
-Each request's KV stays pinned in the engine until the chosen decode worker pulls it
-(`push`), which exports it and sends it over that decode worker's channel. Plain class: the
+Each request's KV is copied out of the pool when its first token exists and held until the
+chosen decode worker pulls it (`push`), which sends it over that decode worker's channel. Plain class: the
 Ray actor in actor.py only adapts its futures to asyncio.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from engine import EngineConfig, LLMEngine, RequestOutput, Role
+from engine import EngineConfig, KVExport, LLMEngine, RequestOutput, Role
 from engine.engine_loop import EngineLoop
 from kv_transfer import KVLayout, KVTransferError, SenderChannel, TransferConfig, connect
 from router.types import Aborted, GenerateRequest, PrefillResult
@@ -28,6 +28,8 @@ class PrefillWorker:
         self.channels: dict[str, SenderChannel] = {}
         # One thread per channel: sends leave in the order decode workers pulled them.
         self.senders: dict[str, ThreadPoolExecutor] = {}
+        # Prefilled requests' KV, copied out of the pool, until their decode worker pulls it.
+        self.exports: dict[str, KVExport] = {}
         # Prefills not yet answered: abort() must answer them, as the engine then reports nothing.
         self.pending: dict[str, Future[PrefillResult]] = {}
 
@@ -50,10 +52,14 @@ class PrefillWorker:
         self.pending[req.request_id] = result
         result.add_done_callback(lambda _: self.pending.pop(req.request_id, None))
 
-        def sink(out: RequestOutput | BaseException) -> None:
+        def sink(out: RequestOutput | BaseException) -> None:  # on the engine's loop thread
             if isinstance(out, BaseException):
                 result.set_exception(out)
                 return
+            if out.kv_ready:
+                # Copy the KV out now, in the same loop turn: a later pull then waits for no
+                # engine step, and the blocks go back to the pool (full ones stay cached).
+                self.exports[req.request_id] = self.engine.export_kv(req.request_id)
             result.set_result(PrefillResult(
                 req.request_id, out.new_token_ids[0], out.new_text, out.finished, out.finish_reason, out.usage,
                 out.logprobs[-1] if out.logprobs else None, queue_s=0.0, prefill_s=time.monotonic() - start))
@@ -64,7 +70,7 @@ class PrefillWorker:
         return result
 
     def push(self, request_id: str, decode_id: str) -> bool:
-        """Export a pinned request's KV and queue it for sending to `decode_id`.
+        """Queue a prefilled request's exported KV for sending to `decode_id`.
 
         True means a send will follow on that channel (the caller may now receive); False
         means this worker does not hold the request (aborted, or never prefilled here).
@@ -72,7 +78,7 @@ class PrefillWorker:
         channel = self.channels.get(decode_id)
         if channel is None:
             return False
-        export = self.loop.call(lambda e: e.export_kv(request_id) if request_id in e.prefilled else None).result()
+        export = self.exports.pop(request_id, None)
         if export is None:
             return False
 
@@ -87,6 +93,7 @@ class PrefillWorker:
 
     def abort(self, request_id: str) -> None:
         self.loop.abort(request_id).result()
+        self.exports.pop(request_id, None)
         # The loop no longer calls this request's sink, so nothing else will answer its caller.
         pending = self.pending.pop(request_id, None)
         if pending is not None and not pending.done():
@@ -101,7 +108,8 @@ class PrefillWorker:
                 "error": repr(self.loop.error) if self.loop.error else None}
 
     def stats(self) -> dict:
-        return self.loop.call(lambda e: e.stats()).result() | {"channels": sorted(self.channels)}
+        return self.loop.call(lambda e: e.stats()).result() | {
+            "channels": sorted(self.channels), "pinned_exports": len(self.exports)}
 
     def close(self) -> None:
         for decode_id in list(self.channels):
