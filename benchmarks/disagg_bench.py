@@ -176,8 +176,16 @@ def _transfer_proc(role: str, model: str, plan_d: dict, seed: int, addr_q, out_q
     """Child process body. role 'decode' (rank 0, receiver, B) or 'prefill' (rank 1, sender, A)."""
     try:
         torch.set_num_threads(1)
-        from kv_transfer import (KVLayout, TransferConfig, TransferServer, connect, payload_checksum,
-                                 payload_view, raw_recv, raw_send)
+        from kv_transfer import (
+            KVLayout,
+            TransferConfig,
+            TransferServer,
+            connect,
+            payload_checksum,
+            payload_view,
+            raw_recv,
+            raw_send,
+        )
 
         plan = Plan(**plan_d)
         tcfg = TransferConfig(backend="gloo", timeout_s=300.0, connect_timeout_s=300.0)
