@@ -354,7 +354,8 @@ def phase_transfer(plan: Plan, model: str, seed: int, show: bool) -> dict:
         "engine_prefill_1thread_median_s": med(tx["prefill_s"]),
         "receiver": rx, "sender": tx,
         "notes": "ours = receiver's barrier -> write_kv done: includes the sender's checksum "
-                 "(header_wait; the export_kv copy happens before the barrier, as in PrefillWorker), the header/ack round trip, the payload, the receiver's checksum "
+                 "(header_wait; the export_kv copy happens before the barrier, as in PrefillWorker), "
+                 "the header/ack round trip, the payload, the receiver's checksum "
                  "(payload) and the block scatter (write_kv). raw = the same byte count over the same "
                  "process group into a preallocated buffer; raw_fresh = into a new torch.empty buffer "
                  "(page faults), as recv_payload(out=None) does.",
