@@ -9,6 +9,5 @@ class RouterConfig(BaseModel):
 
     max_running: int = Field(256, ge=1)  # requests dispatched to workers at once
     max_waiting: int = Field(1024, ge=0)  # beyond this many waiting, new requests are refused at once
-    transfer_retries: int = Field(1, ge=0)  # re-prefill attempts before recomputing on the decode side
     health_interval_s: float = Field(1.0, gt=0)
     health_timeout_s: float = Field(5.0, gt=0)
