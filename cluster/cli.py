@@ -113,7 +113,7 @@ def _engine_flags(defaults: bool = True) -> argparse.ArgumentParser:
                    help="default: cuda when available, else cpu")
     g.add_argument("--block-size", type=int, metavar="N", help="tokens per KV block (default 16)")
     g.add_argument("--num-blocks", type=int, metavar="N",
-                   help="KV blocks in the pool%s (default: 85%%%% of free GPU memory, or 1 GiB on CPU)"
+                   help="KV blocks in the pool%s (default: 85%%%% of free GPU memory, or 256 MiB on CPU)"
                         % ("" if defaults else " of each worker"))
     g.add_argument("--max-num-batched-tokens", type=int, metavar="N",
                    help="tokens per engine step (default 2048)")

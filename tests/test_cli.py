@@ -20,7 +20,7 @@ from cluster import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "cluster.cli"]
-SMALL_POOL = ["--num-blocks", "256"]  # the CPU default is a 1 GiB pool; tests need a few blocks
+SMALL_POOL = ["--num-blocks", "256"]  # the CPU default is a 256 MiB pool; tests need a few blocks
 TEXT_PROMPT = "hello world"
 PROMPTS_FILE = [
     {"prompt_ids": [1, 2, 3]},  # --max-tokens 5 from the flag
