@@ -37,6 +37,7 @@ class DecodeWorker:
         self.locks: dict[str, threading.Lock] = {}  # one transfer at a time per channel
         self.buffers: dict[str, torch.Tensor] = {}  # per channel: a reused flat receive buffer
         self.reserved: dict[str, list[int]] = {}  # request id -> its reserved blocks
+        self.reserved_at: dict[str, float] = {}
         self.pulling: set[str] = set()  # requests whose KV is being written into their blocks
         self.pull_done = threading.Condition()
 
@@ -59,10 +60,22 @@ class DecodeWorker:
         if channel is not None:
             channel.close()
 
+    def free_stale_reservations(self) -> list[str]:
+        """Free blocks reserved longer than transfer.hold_timeout_s ago for a payload that
+        never arrived (a pull in progress is never stale: its own timeouts bound it)."""
+        deadline = time.monotonic() - self.transfer_cfg.hold_timeout_s
+        stale = [rid for rid, t in list(self.reserved_at.items()) if t < deadline and rid not in self.pulling]
+        for rid in stale:
+            self.abort(rid)
+        return stale
+
     def reserve(self, request_id: str, num_tokens: int) -> bool:
+        self.free_stale_reservations()
+
         def reserve(engine: LLMEngine) -> bool:
             try:
                 self.reserved[request_id] = engine.reserve(request_id, num_tokens)
+                self.reserved_at[request_id] = time.monotonic()
                 return True
             except NoFreeBlocks:
                 return False
@@ -117,6 +130,7 @@ class DecodeWorker:
         """Admit a request whose KV is in its reserved blocks; its outputs go to `sink`."""
         def admit(engine: LLMEngine) -> None:
             self.reserved.pop(request_id, None)  # the engine's sequence owns the blocks from here
+            self.reserved_at.pop(request_id, None)
             self.loop.watch_now(request_id, sink)
             try:
                 engine.admit(request_id, prompt_token_ids, first_token_id, params, cached_tokens, first_logprobs)
@@ -134,6 +148,7 @@ class DecodeWorker:
         with self.pull_done:  # never free blocks a pull is still writing into
             self.pull_done.wait_for(lambda: request_id not in self.pulling)
         self.reserved.pop(request_id, None)
+        self.reserved_at.pop(request_id, None)
         return self.loop.abort(request_id).result()
 
     def health(self) -> dict:

@@ -18,6 +18,9 @@ class TransferConfig(BaseModel):
       gloo's own pair sockets always use an ephemeral port on `host`.
     timeout_s: the bound on each blocking step of a transfer (header, ack, payload).
     connect_timeout_s: the bound on joining a pair (rendezvous plus group setup).
+    hold_timeout_s: how long KV may wait for its other side: a prefill worker drops an
+      exported request nobody pulled, a decode worker frees blocks reserved for a payload
+      that never came (e.g. the router died between the two calls).
     backend: gloo moves CPU tensors; nccl moves CUDA tensors (the header and ack still go
       over a gloo group); auto picks nccl when CUDA and NCCL are available, else gloo.
     """
@@ -28,6 +31,7 @@ class TransferConfig(BaseModel):
     port_range: tuple[int, int] | None = None
     timeout_s: float = Field(30.0, gt=0.0)
     connect_timeout_s: float = Field(60.0, gt=0.0)
+    hold_timeout_s: float = Field(120.0, gt=0.0)
     backend: Literal["auto", "gloo", "nccl"] = "auto"
 
     @field_validator("host")

@@ -30,6 +30,7 @@ class PrefillWorker:
         self.senders: dict[str, ThreadPoolExecutor] = {}
         # Prefilled requests' KV, copied out of the pool, until their decode worker pulls it.
         self.exports: dict[str, KVExport] = {}
+        self.exported_at: dict[str, float] = {}
         # Prefills not yet answered: abort() must answer them, as the engine then reports nothing.
         self.pending: dict[str, Future[PrefillResult]] = {}
 
@@ -46,7 +47,18 @@ class PrefillWorker:
         if sender is not None:
             sender.shutdown(wait=False)
 
+    def drop_stale_exports(self) -> list[str]:
+        """Forget exports no decode worker pulled within transfer.hold_timeout_s."""
+        deadline = time.monotonic() - self.transfer_cfg.hold_timeout_s
+        stale = [rid for rid, t in list(self.exported_at.items()) if t < deadline]
+        for rid in stale:
+            self.exports.pop(rid, None)
+            self.exported_at.pop(rid, None)
+            log.warning("dropped the KV of %s: no decode worker pulled it", rid)
+        return stale
+
     def prefill(self, req: GenerateRequest) -> Future[PrefillResult]:
+        self.drop_stale_exports()
         result: Future[PrefillResult] = Future()
         start = time.monotonic()
         self.pending[req.request_id] = result
@@ -60,6 +72,7 @@ class PrefillWorker:
                 # Copy the KV out now, in the same loop turn: a later pull then waits for no
                 # engine step, and the blocks go back to the pool (full ones stay cached).
                 self.exports[req.request_id] = self.engine.export_kv(req.request_id)
+                self.exported_at[req.request_id] = time.monotonic()
             result.set_result(PrefillResult(
                 req.request_id, out.new_token_ids[0], out.new_text, out.finished, out.finish_reason, out.usage,
                 out.logprobs[-1] if out.logprobs else None, queue_s=0.0, prefill_s=time.monotonic() - start))
@@ -79,6 +92,7 @@ class PrefillWorker:
         if channel is None:
             return False
         export = self.exports.pop(request_id, None)
+        self.exported_at.pop(request_id, None)
         if export is None:
             return False
 
@@ -94,6 +108,7 @@ class PrefillWorker:
     def abort(self, request_id: str) -> None:
         self.loop.abort(request_id).result()
         self.exports.pop(request_id, None)
+        self.exported_at.pop(request_id, None)
         # The loop no longer calls this request's sink, so nothing else will answer its caller.
         pending = self.pending.pop(request_id, None)
         if pending is not None and not pending.done():

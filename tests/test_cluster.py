@@ -68,7 +68,8 @@ def reference() -> tuple[list[list[int]], int]:
 
 def pool_whole(stats: dict) -> bool:
     return (stats["free_blocks"] == stats["num_blocks"] and stats["referenced_blocks"] == 0
-            and stats["reserved"] == stats["prefilled"] == stats["running"] == stats["waiting"] == 0)
+            and stats["reserved"] == stats["prefilled"] == stats["running"] == stats["waiting"] == 0
+            and stats.get("pinned_exports", 0) == 0)
 
 
 # --- plain worker classes in this process (no Ray) ----------------------------------------------
@@ -153,6 +154,22 @@ def test_plain_prefill_worker_answers_a_prefill_aborted_before_its_first_token(p
     with pytest.raises(Aborted, match="'early'"):
         result.result(timeout=10)  # answered, not left waiting forever
     assert pool_whole(prefill.stats()) and not prefill.pending
+
+
+@pytest.mark.timeout(60)
+def test_kv_nobody_collects_is_freed_after_the_hold_timeout(plain_workers):
+    prefill, decode, _ = plain_workers
+    prompt, params = PROMPTS[5], PARAMS[5]
+    prefill.prefill(GenerateRequest("orphan", prompt, params)).result(timeout=30)
+    assert decode.reserve("orphan-r", len(prompt))
+    assert prefill.stats()["pinned_exports"] == 1 and decode.stats()["reserved"] == 1
+    # Pretend hold_timeout_s has passed for both: the next request sweeps them away.
+    prefill.exported_at["orphan"] -= 10_000
+    decode.reserved_at["orphan-r"] -= 10_000
+    assert prefill.drop_stale_exports() == ["orphan"]
+    assert decode.free_stale_reservations() == ["orphan-r"]
+    assert not prefill.push("orphan", decode.worker_id)  # nothing left to send
+    assert prefill.stats()["pinned_exports"] == 0 and pool_whole(decode.stats())
 
 
 # --- Ray clusters -------------------------------------------------------------------------------
