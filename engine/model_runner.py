@@ -6,7 +6,7 @@ import torch
 from engine.config import CacheConfig
 from engine.model_config import ModelConfig
 from engine.models import CausalLM
-from engine.models.attention import AttentionMetadata, PrefillSpan
+from engine.models.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from engine.scheduler import ScheduledSeq
 
 
@@ -78,16 +78,18 @@ class ModelRunner:
                 prefills.append(PrefillSpan(q_start, n, start + n, self._tensor(table[:nb])))
             if s.samples:
                 sample_rows.append(len(ids) - 1)
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots), block_size=bs, prefills=prefills,
-                                 num_decodes=len(decode_tables))
-        if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in decode_tables])
-            if min(decode_lens) != width * bs:
-                lens = self._tensor(decode_lens)
-                keys = torch.arange(width * bs, device=self.device)
-                meta.decode_mask = (keys[None, :] < lens[:, None])[:, None, None, :]  # (D, 1, 1, S)
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots), block_size=bs, prefills=prefills)
+        meta.decodes = [self._decode_group(start, decode_tables[start:end], decode_lens[start:end])
+                        for start, end in _groups(decode_lens)]
         return self._tensor(ids), self._tensor(pos), meta, self._tensor(sample_rows)
+
+    def _decode_group(self, start: int, tables: list[list[int]], lens: list[int]) -> DecodeGroup:
+        width = max(len(t) for t in tables)
+        mask = None
+        if min(lens) != width * self.block_size:
+            keys = torch.arange(width * self.block_size, device=self.device)
+            mask = (keys[None, :] < self._tensor(lens)[:, None])[:, None, None, :]  # (D, 1, 1, S)
+        return DecodeGroup(start, self._tensor([t + [0] * (width - len(t)) for t in tables]), mask)
 
     def _tensor(self, values) -> torch.Tensor:
         t = torch.tensor(values, dtype=torch.long)
@@ -105,3 +107,19 @@ def _runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append((i, b, 1))
     return runs
+
+
+def _groups(lens: list[int], min_size: int = 8, spread: float = 1.5) -> list[tuple[int, int]]:
+    """Split decodes (sorted by context length) into [start, end) groups whose longest
+    context is at most `spread` x their shortest: each group gathers and attends over its own
+    longest context, so padding (copied and computed for nothing) stays small, while groups
+    of at least `min_size` keep the number of attention calls low."""
+    groups: list[tuple[int, int]] = []
+    start = 0
+    for i, n in enumerate(lens):
+        if i - start >= min_size and n > spread * lens[start]:
+            groups.append((start, i))
+            start = i
+    if lens:
+        groups.append((start, len(lens)))
+    return groups

@@ -47,14 +47,16 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledSeq]:
-        """Choose this step's work and allocate its blocks. Decodes (one new token) come first."""
+        """Choose this step's work and allocate its blocks. Decodes (one new token) come first,
+        shortest context first; then prefill chunks in scheduling order."""
         budget = self.cfg.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         preempted = self._schedule_running(batch, budget)
         budget -= sum(s.num_new_tokens for s in batch)
         if not preempted:
             self._schedule_waiting(batch, budget)
-        batch.sort(key=lambda s: s.num_new_tokens != 1)
+        # Decodes first, by context length (the runner groups similar lengths for attention).
+        batch.sort(key=lambda s: (s.num_new_tokens != 1, s.seq.num_computed if s.num_new_tokens == 1 else 0))
         return batch
 
     def _schedule_running(self, batch: list[ScheduledSeq], budget: int) -> bool:

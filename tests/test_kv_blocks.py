@@ -21,3 +21,13 @@ def test_read_and_write_blocks_match_indexing_for_scattered_ids():
     expected[:, :, ids] = kv
     runner.write_blocks(ids, kv)
     assert torch.equal(runner.kv_cache, expected)
+
+
+def test_decode_groups_bound_padding_and_keep_groups_large():
+    from engine.model_runner import _groups
+
+    lens = [10, 11, 12, 13, 14, 15, 16, 17, 30, 31, 100]
+    # The 9th decode (30 > 1.5 x 10) starts a new group once the first holds 8.
+    assert _groups(lens) == [(0, 8), (8, 11)]
+    assert _groups([5, 500]) == [(0, 2)]  # too few to split
+    assert _groups([]) == []

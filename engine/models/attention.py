@@ -1,6 +1,7 @@
 """Attention over the paged KV cache.
 
-The batch packs tokens as [decode tokens (one per sequence) | prefill chunks]. New K/V are
+The batch packs tokens as [decode tokens (one per sequence, by context length) | prefill
+chunks]. New K/V are
 written into the cache at `slot_mapping`; every query then reads its sequence's keys
 through its block table, so prefix-cached and chunk-continued prompts see their history.
 """
@@ -21,14 +22,21 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeGroup:
+    """Consecutive single-token queries of similar context length, attended in one call."""
+
+    start: int  # offset of the group's first token in the packed batch
+    block_tables: torch.Tensor  # (D, MB), padded with block 0
+    mask: torch.Tensor | None  # (D, 1, 1, MB*bs) True where a key is real; None if none is padding
+
+
+@dataclass
 class AttentionMetadata:
     """Everything attention needs about the batch; built by ModelRunner, read-only here."""
 
     slot_mapping: torch.Tensor  # (T,) flat cache slot of each new token
     block_size: int
-    num_decodes: int = 0
-    decode_block_tables: torch.Tensor | None = None  # (D, MB), padded with block 0
-    decode_mask: torch.Tensor | None = None  # (D, 1, 1, MB*bs) True where a key is real
+    decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -44,8 +52,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """q: (T, H, hd), k/v: (T, Hkv, hd) for the new tokens. Returns (T, H, hd)."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
-    if meta.num_decodes:
-        out[: meta.num_decodes] = _decode(q[: meta.num_decodes], k_cache, v_cache, meta, scale)
+    for group in meta.decodes:
+        s = slice(group.start, group.start + group.block_tables.shape[0])
+        out[s] = _decode(q[s], k_cache, v_cache, group, scale)
     for span in meta.prefills:
         s = slice(span.q_start, span.q_start + span.q_len)
         out[s] = _prefill(q[s], k[s], v[s], k_cache, v_cache, span, scale)
@@ -53,20 +62,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    # (NB, bs, Hkv, hd)[(..., nb)] -> (..., nb*bs, Hkv, hd)
-    g = cache[block_table]
-    return g.reshape(*g.shape[:-4], g.shape[-4] * g.shape[-3], *g.shape[-2:])
+    """(NB, bs, Hkv, hd) gathered by a (..., nb) block table -> (..., nb*bs, Hkv, hd).
+
+    index_select copies whole blocks as rows: ~4x faster on CPU than advanced indexing."""
+    g = cache.index_select(0, block_table.reshape(-1))
+    return g.view(*block_table.shape[:-1], block_table.shape[-1] * cache.shape[1], *cache.shape[2:])
 
 
-def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _decode(q, k_cache, v_cache, group: DecodeGroup, scale: float) -> torch.Tensor:
     d, h, hd = q.shape
     hkv = k_cache.shape[2]
-    keys = _gather(k_cache, meta.decode_block_tables).transpose(1, 2)  # (D, Hkv, S, hd)
-    vals = _gather(v_cache, meta.decode_block_tables).transpose(1, 2)
+    keys = _gather(k_cache, group.block_tables).transpose(1, 2)  # (D, Hkv, S, hd)
+    vals = _gather(v_cache, group.block_tables).transpose(1, 2)
     # One query per sequence: the heads sharing a KV head become rows of that head's
     # query matrix, so GQA needs no repeated keys.
     qg = q.view(d, hkv, h // hkv, hd)  # (D, Hkv, G, hd)
-    out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=meta.decode_mask, scale=scale)
+    out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=group.mask, scale=scale)
     return out.reshape(d, h, hd)
 
 
