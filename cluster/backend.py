@@ -21,8 +21,8 @@ from engine.engine_setup import context_length, model_id_for
 from engine.llm_engine import check_request
 from engine.model_config import ModelConfig
 from engine.presets import resolve_model
-from engine.sampling import InvalidRequest, SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.sampling import SamplingParams
+from engine.tokenizer import Tokenizer, prompt_token_ids
 from router.types import Chunk, GenerateRequest, NoWorker
 
 log = logging.getLogger(__name__)
@@ -56,11 +56,7 @@ class ClusterBackend:
 
     # -- Backend ------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequest("prompt", "this model has no tokenizer.json: send token ids")
-            return self.tokenizer.encode(prompt)
-        return [int(t) for t in prompt]
+        return prompt_token_ids(self.tokenizer, prompt)
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         check_request(token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,

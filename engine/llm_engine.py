@@ -20,7 +20,7 @@ from engine.radix_cache import CacheStats
 from engine.sampling import InvalidRequest, SamplingParams, TokenLogprobs
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence, SequenceStatus
-from engine.tokenizer import IncrementalDetokenizer
+from engine.tokenizer import IncrementalDetokenizer, prompt_token_ids
 
 Prompt = str | Seq[int]
 
@@ -46,11 +46,7 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequest("prompt", "this model has no tokenizer.json: send token ids")
-            return self.tokenizer.encode(prompt)
-        return [int(t) for t in prompt]
+        return prompt_token_ids(self.tokenizer, prompt)
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequest naming the field if the request can never run here."""

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+
+from engine.sampling import InvalidRequest
 
 
 class Tokenizer:
@@ -40,6 +43,15 @@ class Tokenizer:
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "",
         )
+
+
+def prompt_token_ids(tokenizer: Tokenizer | None, prompt: str | Sequence[int]) -> list[int]:
+    """A prompt as token ids: text goes through the tokenizer, ids pass through as ints."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InvalidRequest("prompt", "this model has no tokenizer.json: send token ids")
+        return tokenizer.encode(prompt)
+    return [int(t) for t in prompt]
 
 
 class IncrementalDetokenizer:
