@@ -165,9 +165,12 @@ class Router:
             try:
                 if await decode.handle.reserve.remote(req.request_id, len(req.prompt_token_ids)):
                     return decode
-            except BaseException:
+            except asyncio.CancelledError:
                 decode.inflight -= 1
                 raise
+            except Exception as exc:  # died since the last health check: stop routing there, try another
+                log.warning("decode worker %s failed to reserve (%s); marking it unhealthy", decode.worker_id, exc)
+                decode.healthy = False
             decode.inflight -= 1
             tried.add(decode.worker_id)
 

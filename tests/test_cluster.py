@@ -389,6 +389,20 @@ def test_a_killed_decode_worker_turns_unhealthy_and_requests_go_elsewhere(cluste
     ensure_workers(cluster, "decode", 2)
     ray.kill(cluster.workers["decode-1"])
     start = time.monotonic()
+
+    def dead() -> bool:
+        try:
+            ray_get(cluster.workers["decode-1"].health.remote(), 5.0)
+            return False
+        except Exception:
+            return True
+
+    wait_for(dead, 10.0, "decode-1 dead")
+    # Right away, likely before the router's next health check: a reserve that fails on the
+    # dead worker marks it unhealthy and the request goes to the other one.
+    for i, (tokens, last) in zip([0, 2], run_requests(cluster, [0, 2], "at-kill")):
+        check_response(i, tokens, last, reference)
+        assert last.decode_worker == "decode-0"
     wait_for(lambda: not ray_get(cluster.router.status.remote())["workers"]["decode-1"]["healthy"], 10.0,
              "decode-1 unhealthy")
     assert time.monotonic() - start < 10.0
