@@ -6,7 +6,7 @@ from torch import nn
 
 from engine.model_config import ModelConfig
 from engine.models.attention import AttentionMetadata, paged_attention
-from engine.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, SparseMoE, apply_rotary
+from engine.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, SparseMoE, apply_rotary, rms_normalize
 
 
 class Attention(nn.Module):
@@ -22,15 +22,16 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], k_cache, v_cache, meta: AttentionMetadata):
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)  # (T, H, hd)
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, hd)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        t, h, hd = x.shape[0], self.num_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # (T, (H + 2 Hkv) * hd)
+        # Queries and keys stay one tensor through norm and rotary: half the small ops per layer.
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, h + self.num_kv_heads, hd)  # (T, H+Hkv, hd)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, hd)  # (T, Hkv, hd)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, H, hd)
+            weight = torch.cat((self.q_norm.weight.expand(h, hd), self.k_norm.weight.expand(self.num_kv_heads, hd)))
+            qk = weight * rms_normalize(qk, self.q_norm.eps)
+        qk = apply_rotary(qk, *rope)
+        out = paged_attention(qk[:, :h], qk[:, h:], v, k_cache, v_cache, meta, self.scale)  # (T, H, hd)
         return self.o_proj(out.reshape(t, self.q_size))
 
 

@@ -45,12 +45,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op; the same result as the reference's steps
+        if x.dtype == torch.float32:  # one call; the same result as the reference's steps
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Normalise in float32 whatever the activation dtype, as the reference does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.weight * rms_normalize(x, self.eps)
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim, without the weight: normalised in float32 whatever the
+    activation dtype, then cast back, as the reference does (the weight multiplies after)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], None, eps)
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -88,9 +94,9 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    # q: (T, H, hd), k: (T, Hkv, hd), cos/sin: (T, 1, hd)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (T, heads, hd) — queries and keys together; cos/sin: (T, 1, hd)
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
