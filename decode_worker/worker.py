@@ -152,8 +152,7 @@ class DecodeWorker:
         return self.loop.abort(request_id).result()
 
     def health(self) -> dict:
-        return {"worker_id": self.worker_id, "role": "decode", "alive": self.loop.alive,
-                "error": repr(self.loop.error) if self.loop.error else None}
+        return {"worker_id": self.worker_id, **self.loop.health()}
 
     def stats(self) -> dict:
         return self.loop.call(lambda e: e.stats()).result() | {"channels": sorted(self.channels)}

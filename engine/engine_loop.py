@@ -41,6 +41,11 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
+    def health(self) -> dict:
+        """What a worker reports to the router's health check."""
+        return {"role": self.engine.config.role.value, "alive": self.alive,
+                "error": repr(self.error) if self.error else None}
+
     def call(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
         """Run fn(engine) on the loop thread before its next step."""
         fut: Future[T] = Future()
@@ -50,12 +55,9 @@ class EngineLoop:
             self._inbox.put((fn, fut))
         return fut
 
-    def watch(self, request_id: str, sink: Sink) -> Future[None]:
-        """Deliver a request's outputs to `sink` until it finishes or its KV is ready."""
-        return self.call(lambda _: self._sinks.__setitem__(request_id, sink))
-
     def watch_now(self, request_id: str, sink: Sink) -> None:
-        """watch() for code already running on the loop thread (inside a call())."""
+        """Deliver a request's outputs to `sink` until it finishes or its KV is ready. For code
+        already running on the loop thread (inside a call())."""
         self._sinks[request_id] = sink
 
     def unwatch_now(self, request_id: str) -> None:

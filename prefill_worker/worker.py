@@ -119,8 +119,7 @@ class PrefillWorker:
         self.channels[decode_id].corrupt_next_payload = True
 
     def health(self) -> dict:
-        return {"worker_id": self.worker_id, "role": "prefill", "alive": self.loop.alive,
-                "error": repr(self.loop.error) if self.loop.error else None}
+        return {"worker_id": self.worker_id, **self.loop.health()}
 
     def stats(self) -> dict:
         return self.loop.call(lambda e: e.stats()).result() | {
