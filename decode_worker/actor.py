@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 
@@ -38,8 +39,7 @@ class DecodeActor:
         fails, recompute the whole request here instead (same tokens: same model, and
         sampling is keyed by seed and position)."""
         timing = Timing()
-        stream = self.streams[req.request_id] = OutputStream()
-        try:
+        async with self._stream(req.request_id) as stream:
             try:
                 loop = asyncio.get_running_loop()
                 ask = lambda: asyncio.run_coroutine_threadsafe(  # from the pull thread, via our loop
@@ -67,22 +67,25 @@ class DecodeActor:
                 if first_chunk:
                     chunk.timing, first_chunk = timing, False
                 yield chunk
-        finally:
-            self.streams.pop(req.request_id, None)
-            if not stream.finished:  # cancelled or failed mid-stream: free the KV here
-                await asyncio.to_thread(self.worker.abort, req.request_id)
 
     async def generate_local(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
         """A whole request on this worker (colocated mode)."""
-        stream = self.streams[req.request_id] = OutputStream()
-        try:
+        async with self._stream(req.request_id) as stream:
             await asyncio.wrap_future(self.worker.generate_local(req, stream.sink))
             async for chunk in stream.chunks():
                 yield chunk
+
+    @contextlib.asynccontextmanager
+    async def _stream(self, request_id: str) -> AsyncIterator[OutputStream]:
+        """A request's output stream, known to abort() while it lasts; a request that leaves
+        before its stream finished (cancelled, failed) is aborted here, freeing its KV."""
+        stream = self.streams[request_id] = OutputStream()
+        try:
+            yield stream
         finally:
-            self.streams.pop(req.request_id, None)
+            self.streams.pop(request_id, None)
             if not stream.finished:
-                await asyncio.to_thread(self.worker.abort, req.request_id)
+                await asyncio.to_thread(self.worker.abort, request_id)
 
     async def abort(self, request_id: str) -> None:
         """Free the request's blocks; a stream it has here ends with finish_reason "abort"."""
