@@ -36,6 +36,8 @@ class CacheConfig(_Frozen):
     cpu_kv_bytes: int = Field(256 << 20, ge=1 << 16)
     memory_fraction: float = Field(0.85, gt=0.0, le=1.0)
     enable_prefix_cache: bool = True
+    # Keep a log of cache events (engine.cache_events) for a prefix-index publisher to take.
+    record_events: bool = False
 
 
 class SchedulerConfig(_Frozen):

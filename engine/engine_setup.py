@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from engine.block_pool import BlockPool
+from engine.cache_events import CacheEventLog
 from engine.config import EngineConfig
 from engine.loader import load_model
 from engine.model_config import DTYPES, ModelConfig
@@ -71,7 +72,7 @@ def build_parts(cfg: EngineConfig) -> EngineParts:
     num_blocks = kv_cache_blocks(cfg.cache, model_cfg, dtype, device)
     runner = ModelRunner(model, model_cfg, num_blocks, cfg.cache.block_size, dtype, device)
     pool = BlockPool(num_blocks)
-    cache = RadixCache(pool) if cfg.cache.enable_prefix_cache else None
+    cache = RadixCache(pool, CacheEventLog(cfg.cache.record_events)) if cfg.cache.enable_prefix_cache else None
     model_id = model_id_for(cfg, path)
     scheduler = Scheduler(cfg.scheduler, pool, cache, cfg.cache.block_size, model_id)
     return EngineParts(model_id, model_cfg, Tokenizer.from_dir(path), device, dtype, max_len,

@@ -13,6 +13,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from engine.block_pool import BlockPool, NoFreeBlocks
+from engine.cache_events import CacheEvent
 from engine.config import EngineConfig, Role
 from engine.engine_setup import EngineParts, build_parts
 from engine.outputs import KVExport, RequestOutput, Usage
@@ -160,7 +161,8 @@ class LLMEngine:
         return out
 
     def _usage(self, seq: Sequence) -> Usage:
-        return Usage(seq.num_prompt_tokens, len(seq.output_token_ids), seq.num_cached_tokens or 0)
+        cached = seq.num_cached_tokens or 0
+        return Usage(seq.num_prompt_tokens, len(seq.output_token_ids), cached, {"device": cached} if cached else {})
 
     # -- offline ----------------------------------------------------------------
     def generate(self, prompts: Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -252,6 +254,10 @@ class LLMEngine:
                    export.cached_tokens, export.first_logprobs)
 
     # -- introspection ----------------------------------------------------------
+    def take_cache_events(self) -> list[CacheEvent]:
+        """Cache events since the last call, oldest first (empty unless cache.record_events)."""
+        return self.cache.events.take() if self.cache else []
+
     def stats(self) -> dict:
         cs = self.cache.stats if self.cache else CacheStats()
         return {

@@ -13,6 +13,8 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    # Where the cached tokens came from, by tier ("device", "host", "disk"); sums to cached_tokens.
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

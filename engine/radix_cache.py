@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from engine.block_hash import ROOT
 from engine.block_pool import BlockPool
+from engine.cache_events import CacheEventLog
 
 
 @dataclass(eq=False)
@@ -35,8 +36,9 @@ class CacheStats:
 
 
 class RadixCache:
-    def __init__(self, pool: BlockPool):
+    def __init__(self, pool: BlockPool, events: CacheEventLog | None = None):
         self.pool = pool
+        self.events = events or CacheEventLog()
         pool.evictor = self
         self.root = RadixNode(ROOT, -1, None)
         self.by_hash: dict[bytes, RadixNode] = {ROOT: self.root}
@@ -74,6 +76,7 @@ class RadixCache:
         parent_node.children[h] = node
         self.by_hash[h] = node
         self.by_block[block_id] = node
+        self.events.record("stored", "device", (h,))
         return True
 
     # -- Evictor protocol, called by BlockPool --------------------------------------
@@ -107,6 +110,7 @@ class RadixCache:
             del self.by_block[block_id]
             self._unreferenced -= 1
             self.stats.evicted_blocks += 1
+            self.events.record("removed", "device", (node.hash,))
             freed.append(block_id)
             if parent is not self.root and not parent.children and self.pool.ref_counts[parent.block_id] == 0:
                 heapq.heappush(self._heap, (parent.last_access, parent.block_id, parent))

@@ -24,6 +24,9 @@ class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
+    cache_salt: str | None = None  # tenant isolation: prefixes are shared only under the same salt
+    session_id: str | None = None  # multi-turn affinity hint for routing
+    priority: int = 0  # lower runs first when the router must choose
 
 
 @dataclass
