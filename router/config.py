@@ -1,13 +1,46 @@
-"""Router settings."""
+"""Router and front-door settings."""
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
-class RouterConfig(BaseModel):
+class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
+
+class RouterConfig(_Frozen):
     max_running: int = Field(256, ge=1)  # requests dispatched to workers at once
     max_waiting: int = Field(1024, ge=0)  # beyond this many waiting, new requests are refused at once
     health_interval_s: float = Field(1.0, gt=0)
     health_timeout_s: float = Field(5.0, gt=0)
+
+
+class AuthConfig(_Frozen):
+    """Bearer tokens for both front doors (router/auth.py). Auth is on when either is set."""
+
+    token_file: str | None = None  # one token per line: TOKEN or TENANT TOKEN
+    token_env: str | None = None  # the name of an env var holding TOKEN[,TOKEN...]
+    public_health: bool = True  # health checks (probes) need no token
+
+
+class TLSConfig(_Frozen):
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    @model_validator(mode="after")
+    def _both(self) -> TLSConfig:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("TLS needs both cert_file and key_file (or neither)")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert_file is not None
+
+
+class FrontDoorConfig(_Frozen):
+    """What the gRPC and HTTP front doors share: auth, TLS, message limits."""
+
+    auth: AuthConfig = AuthConfig()
+    tls: TLSConfig = TLSConfig()
+    max_message_bytes: int = Field(4 << 20, ge=1024)  # larger requests: RESOURCE_EXHAUSTED / 413

@@ -61,7 +61,7 @@ def test_generate_prompt_ids_json(runs) -> None:
     result = json.loads(line)
     assert len(result["token_ids"]) == 5
     assert result["finish_reason"] == "length"
-    assert result["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "cached_tokens": 0}
+    assert result["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "cached_tokens": 0, "cached_by_tier": {}}
     assert set(result) == {"token_ids", "text", "finish_reason", "usage"}
 
 
