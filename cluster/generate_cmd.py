@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.cli import UsageError
-from cluster.request_fields import sampling_params, token_ids
 from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from engine.sampling import InvalidRequest
+from router.request_fields import sampling_params, token_ids
 
 FILE_OVERRIDES = ("max_tokens", "temperature", "seed")
 FILE_KEYS = ("prompt", "prompt_ids", *FILE_OVERRIDES)

@@ -22,7 +22,7 @@ import yaml
 
 from cluster.cli import UsageError
 from cluster.config import ClusterConfig
-from cluster.http_api import ApiServer
+from router.http_api import ApiServer
 
 DRAIN_S = 30.0  # how long a stop waits for requests in flight
 REDIS_PREFIX = "brigade"

@@ -365,7 +365,7 @@ class FakeBackend:
 def fake_server() -> Iterator[tuple[str, FakeBackend, object]]:
     import threading
 
-    from cluster.http_api import ApiServer
+    from router.http_api import ApiServer
 
     server = ApiServer("127.0.0.1", 0)
     server.backend = backend = FakeBackend()

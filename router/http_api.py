@@ -23,8 +23,8 @@ from contextlib import closing
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Protocol
 
-from cluster.request_fields import SAMPLING_FIELDS, sampling_params, token_ids
 from engine.sampling import InvalidRequest, SamplingParams
+from router.request_fields import SAMPLING_FIELDS, sampling_params, token_ids
 from router.types import Chunk, NoWorker, Overloaded
 
 MAX_BODY_BYTES = 16 << 20

@@ -1,0 +1,54 @@
+"""Prometheus metrics for the front doors (one registry per server: no global state).
+
+Both doors record the same series, labelled by `door` ("grpc" | "http"), so a dashboard
+compares them side by side. The queue-depth gauges are what an autoscaler scales on.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class FrontDoorMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("brigade_requests", "Requests answered, by door and outcome "
+                                "(ok, invalid, unauthenticated, overloaded, unavailable, cancelled, deadline, error)",
+                                ["door", "outcome"], registry=r)
+        self.in_flight = Gauge("brigade_requests_in_flight", "Requests being served now", ["door"], registry=r)
+        self.ttft = Histogram("brigade_time_to_first_token_seconds", "Arrival to first token",
+                              ["door"], buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("brigade_request_duration_seconds", "Arrival to last token",
+                             ["door"], buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("brigade_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter("brigade_cached_prompt_tokens", "Prompt tokens served from a cache, by tier",
+                                     ["tier"], registry=r)
+        self.generated_tokens = Counter("brigade_generated_tokens", "Tokens generated", registry=r)
+        self.router_waiting = Gauge("brigade_router_waiting", "Requests waiting for admission at the router",
+                                    registry=r)
+        self.router_running = Gauge("brigade_router_running", "Requests dispatched to workers", registry=r)
+
+    def finished(self, door: str, outcome: str, ttft_s: float | None = None, total_s: float | None = None,
+                 usage=None) -> None:
+        """Record one answered request; `usage` is an engine.outputs.Usage when it ran."""
+        self.requests.labels(door, outcome).inc()
+        if ttft_s is not None:
+            self.ttft.labels(door).observe(ttft_s)
+        if total_s is not None:
+            self.e2e.labels(door).observe(total_s)
+        if usage is not None:
+            self.prompt_tokens.inc(usage.prompt_tokens)
+            self.generated_tokens.inc(usage.completion_tokens)
+            for tier, n in (usage.cached_by_tier or {}).items():
+                self.cached_tokens.labels(tier).inc(n)
+
+    def set_router_queue(self, waiting: int, running: int) -> None:
+        self.router_waiting.set(waiting)
+        self.router_running.set(running)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
