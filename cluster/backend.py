@@ -22,7 +22,7 @@ from engine.llm_engine import check_request
 from engine.model_config import ModelConfig
 from engine.presets import resolve_model
 from engine.sampling import SamplingParams
-from engine.tokenizer import Tokenizer, prompt_token_ids
+from engine.tokenizer import Tokenizer, chat_token_ids, prompt_token_ids
 from router.types import Chunk, GenerateRequest, NoWorker
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,9 @@ class ClusterBackend:
     # -- Backend ------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return prompt_token_ids(self.tokenizer, prompt)
+
+    def chat_token_ids(self, messages: list[dict]) -> list[int]:
+        return chat_token_ids(self.tokenizer, messages)
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         check_request(token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,

@@ -54,6 +54,22 @@ def prompt_token_ids(tokenizer: Tokenizer | None, prompt: str | Sequence[int]) -
     return [int(t) for t in prompt]
 
 
+def chat_token_ids(tokenizer: Tokenizer | None, messages: object) -> list[int]:
+    """Chat messages ([{"role", "content"}, ...]) through the model's chat template, as token ids;
+    InvalidRequest (field "messages") for a malformed list or a model without a template."""
+    if (not isinstance(messages, list) or not messages
+            or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                       for m in messages)):
+        raise InvalidRequest("messages", "must be a non-empty list of {\"role\": str, \"content\": str}")
+    if tokenizer is None or not tokenizer.chat_template:
+        raise InvalidRequest("messages", "this model has no chat template: send a plain prompt instead")
+    try:
+        text = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages])
+    except jinja2.TemplateError as exc:  # the template itself refused these messages (raise_exception)
+        raise InvalidRequest("messages", f"the chat template refused the messages: {exc}") from None
+    return tokenizer.encode(text)
+
+
 class IncrementalDetokenizer:
     """Text of a growing token list, handed out in deltas that never split a UTF-8 character
     and, while a stop string might be forming, hold back its possible start."""

@@ -40,6 +40,9 @@ class Backend(Protocol):
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Token ids for a prompt; InvalidRequest (field "prompt") if it cannot be tokenized."""
 
+    def chat_token_ids(self, messages: list[dict]) -> list[int]:
+        """Messages through the chat template; InvalidRequest (field "messages") if malformed."""
+
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         """InvalidRequest naming the field if the request can never run."""
 
