@@ -22,7 +22,9 @@ import yaml
 
 from cluster.cli import UsageError
 from cluster.config import ClusterConfig
-from router.http_api import ApiServer
+from router.auth import Authenticator, AuthSetupError
+from router.http_api import ApiServer, TLSSetupError
+from router.metrics import FrontDoorMetrics
 
 DRAIN_S = 30.0  # how long a stop waits for requests in flight
 REDIS_PREFIX = "brigade"
@@ -42,8 +44,15 @@ def config_yaml(cfg: ClusterConfig) -> str:
 def run(args, cfg: ClusterConfig) -> int:
     print("# brigade serve: resolved config (file, then flags)", flush=True)
     print(config_yaml(cfg), end="", flush=True)
-    try:  # before anything slow, so a taken port fails at once
-        server = ApiServer(cfg.host, cfg.http_port)
+    try:  # one of each per process, shared by both front doors
+        auth = Authenticator.from_config(cfg.frontdoor.auth)
+    except AuthSetupError as exc:
+        raise UsageError(str(exc)) from None
+    metrics = FrontDoorMetrics()
+    try:  # before anything slow, so a taken port or a bad certificate fails at once
+        server = ApiServer(cfg.host, cfg.http_port, cfg.frontdoor, metrics=metrics, auth=auth)
+    except TLSSetupError as exc:
+        raise UsageError(str(exc)) from None
     except OSError as exc:
         raise UsageError(f"cannot listen on {cfg.host}:{cfg.http_port}: {exc.strerror or exc}; "
                          "pick another --http-port or --host") from None

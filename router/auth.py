@@ -81,3 +81,10 @@ def _parse(lines: list[str], where: str) -> dict[str, str]:
                                  "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')")
         out[token] = tenant
     return out
+
+
+def cache_salt(tenant: str, requested: str | None = None) -> str:
+    """The prefix-cache salt for a request, the same at both doors: the caller's tenant, so
+    tenants never share cached prefixes (nor learn of each other's prompts through cache
+    timing); a request's own salt (vLLM's `cache_salt`) narrows it further, within the tenant."""
+    return tenant if requested is None else f"{tenant}:{requested}"

@@ -1,34 +1,50 @@
 """The OpenAI-compatible HTTP front door: stdlib HTTP over a small `Backend` interface.
 
-Handler threads parse and check JSON, ask the backend to tokenize and validate (which must
-not touch an engine), then relay the backend's Chunk stream as one JSON answer or as
-server-sent events. They never hold an engine: the backend reaches the workers (Ray actors
-behind the router, in `cluster/backend.py`).
+Handler threads check auth, parse and check JSON (router/openai_format.py), ask the backend
+to tokenize and validate (which must not touch an engine), then relay the backend's Chunk
+stream as one JSON answer or as server-sent events. They never hold an engine: the backend
+reaches the workers (Ray actors behind the router, in `cluster/backend.py`).
 
-Errors are OpenAI-shaped, `{"error": {"message", "type", "param"}}`: 400 for a bad request
-(naming `param`), 404 for an unknown route or model, 429 with Retry-After when the router's
-queue is full, 503 with Retry-After when no worker of a needed role is alive or the server is
-draining.
+Errors are OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad
+request (naming `param`), 401 with `WWW-Authenticate: Bearer` without a known token, 404 for
+an unknown route or model, 413 for a body over `frontdoor.max_message_bytes`, 429 with
+Retry-After when the router's queue is full, 503 with Retry-After when no worker of a needed
+role is alive or the server is draining.
+
+Auth (when tokens are configured) covers every route, /metrics included (Prometheus sends
+the token with `authorization: {credentials_file: ...}`), except /health while
+`auth.public_health` (probes carry no secrets). The token's tenant is the request's cache
+salt (router.auth.cache_salt). Each generation request (POST) is recorded in the shared
+FrontDoorMetrics under door="http"; a client that leaves mid-stream is "cancelled", and
+closing the backend's stream aborts its work and frees its KV.
 """
 from __future__ import annotations
 
 import json
 import socket
+import ssl
 import threading
 import time
 import traceback
-import uuid
 from collections.abc import Iterator
 from contextlib import closing
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Protocol
+from urllib.parse import urlsplit
 
 from engine.sampling import InvalidRequest, SamplingParams
-from router.request_fields import SAMPLING_FIELDS, sampling_params, token_ids
+from router.auth import DEFAULT_TENANT, Authenticator, cache_salt
+from router.config import FrontDoorConfig
+from router.metrics import CONTENT_TYPE, FrontDoorMetrics
+from router.openai_format import ChatShape, Collected, CompletionShape, ModelNotFound, parse_chat, parse_completion
 from router.types import Chunk, NoWorker, Overloaded
 
-MAX_BODY_BYTES = 16 << 20
 RETRY_AFTER_S = 1  # what 429/503 answers suggest; the condition is usually brief
+HANDSHAKE_TIMEOUT_S = 10.0  # a TLS client that stalls its handshake gives up its thread after this
+DRAIN_LIMIT_BYTES = 64 << 20  # an oversized body up to this is read and dropped, so the 413 reaches the client
+DOOR = "http"
+ROUTES = {"/v1/completions": (parse_completion, CompletionShape),
+          "/v1/chat/completions": (parse_chat, ChatShape)}
 
 
 class Backend(Protocol):
@@ -40,25 +56,38 @@ class Backend(Protocol):
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Token ids for a prompt; InvalidRequest (field "prompt") if it cannot be tokenized."""
 
+    def detokenize(self, token_ids: list[int]) -> str:
+        """Text for token ids (special tokens included): logprobs name each token this way."""
+
     def chat_token_ids(self, messages: list[dict]) -> list[int]:
         """Messages through the chat template; InvalidRequest (field "messages") if malformed."""
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         """InvalidRequest naming the field if the request can never run."""
 
-    def generate(self, request_id: str, token_ids: list[int], params: SamplingParams) -> Iterator[Chunk]:
+    def generate(self, request_id: str, token_ids: list[int], params: SamplingParams, *,
+                 cache_salt: str | None = None) -> Iterator[Chunk]:
         """The request's chunks, the last one `finished`. Admission errors (Overloaded,
         NoWorker, InvalidRequest) come from the first next(). Closing the iterator before the
-        last chunk aborts the request and frees its KV."""
+        last chunk aborts the request and frees its KV. Prefixes are shared in the KV caches
+        only between requests with the same `cache_salt`."""
 
     def health(self) -> tuple[bool, dict]:
-        """(can serve now, details for /health)."""
+        """(can serve now, details for /health; "waiting"/"running" at the router if known)."""
+
+
+class TLSSetupError(ValueError):
+    """The configured certificate or key cannot be loaded; the message names both files."""
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, retry_after: int | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, retry_after: int | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.param, self.retry_after = status, param, retry_after
+        self.status, self.param = status, param
+        self.headers = dict(headers or {})
+        if retry_after is not None:
+            self.headers["Retry-After"] = str(retry_after)
 
 
 def api_error(exc: BaseException) -> ApiError:
@@ -67,6 +96,8 @@ def api_error(exc: BaseException) -> ApiError:
         return exc
     if isinstance(exc, InvalidRequest):
         return ApiError(400, str(exc), exc.field)
+    if isinstance(exc, ModelNotFound):
+        return ApiError(404, str(exc), "model")
     if isinstance(exc, Overloaded):
         return ApiError(429, str(exc), retry_after=RETRY_AFTER_S)
     if isinstance(exc, NoWorker):
@@ -74,24 +105,58 @@ def api_error(exc: BaseException) -> ApiError:
     return ApiError(500, f"internal error: {exc}")
 
 
+OUTCOMES = {200: "ok", 401: "unauthenticated", 429: "overloaded", 503: "unavailable", 500: "error"}
+
+
+def outcome(status: int) -> str:
+    """The metrics outcome for an answer's status (the same names the gRPC door uses)."""
+    return OUTCOMES.get(status, "invalid" if 400 <= status < 500 else "error")
+
+
 class ApiServer(ThreadingHTTPServer):
-    """Binds at construction (so a taken port fails before anything slow starts); serves once
-    `backend` is set and serve_forever() runs."""
+    """Binds at construction (so a taken port or an unreadable certificate fails before
+    anything slow starts); serves once `backend` is set and serve_forever() runs. `metrics`
+    and `auth` are the serve process's, shared with the gRPC door."""
 
     daemon_threads = True
 
-    def __init__(self, host: str, port: int):
+    def __init__(self, host: str, port: int, frontdoor: FrontDoorConfig = FrontDoorConfig(),
+                 metrics: FrontDoorMetrics | None = None, auth: Authenticator | None = None):
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         super().__init__((host, port), Handler)
+        self.frontdoor = frontdoor
+        self.metrics = metrics if metrics is not None else FrontDoorMetrics()
+        self.auth = auth if auth is not None else Authenticator({})
         self.backend: Backend | None = None
         self.draining = threading.Event()
         self._in_flight = 0
         self._idle = threading.Condition()
+        if frontdoor.tls.enabled:
+            try:
+                context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+                context.load_cert_chain(frontdoor.tls.cert_file, frontdoor.tls.key_file)
+            except OSError as exc:  # ssl.SSLError included
+                self.server_close()
+                raise TLSSetupError(f"frontdoor.tls: cannot load cert_file {frontdoor.tls.cert_file} with key_file "
+                                    f"{frontdoor.tls.key_file}: {exc.strerror or exc}") from None
+            # The handshake runs in the request's own thread (finish_request), not in accept().
+            self.socket = context.wrap_socket(self.socket, server_side=True, do_handshake_on_connect=False)
 
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
-        return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        scheme = "https" if self.frontdoor.tls.enabled else "http"
+        return f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
+
+    def finish_request(self, request, client_address) -> None:
+        if isinstance(request, ssl.SSLSocket):
+            try:
+                request.settimeout(HANDSHAKE_TIMEOUT_S)
+                request.do_handshake()
+                request.settimeout(None)
+            except (OSError, ssl.SSLError):
+                return  # not TLS, a bad certificate on the other side, or gone: nothing to answer
+        super().finish_request(request, client_address)
 
     @property
     def in_flight(self) -> int:
@@ -109,41 +174,80 @@ class ApiServer(ThreadingHTTPServer):
             return self._idle.wait_for(lambda: not self._in_flight, timeout_s)
 
 
+class _Record:
+    """What one generation request leaves in the metrics."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+        self.outcome = "error"
+        self.ttft_s: float | None = None
+        self.usage = None
+
+
 class Handler(BaseHTTPRequestHandler):
     server: ApiServer
 
     # -- routes ---------------------------------------------------------------------
     def do_GET(self) -> None:
+        path = urlsplit(self.path).path
         try:
-            if self.path == "/health":
-                self._health()
-            elif self.path == "/v1/models":
-                backend = self._backend()
-                self._send(200, {"object": "list", "data": [{
-                    "id": backend.model_name, "object": "model", "owned_by": "brigade",
-                    "max_model_len": backend.max_model_len}]})
+            if path == "/health":
+                if not self.server.frontdoor.auth.public_health:
+                    self._authorize()
+                return self._health()
+            self._authorize()
+            if path == "/metrics":
+                self._metrics()
+            elif path == "/v1/models":
+                self._send(200, {"object": "list", "data": [self._model()]})
+            elif path.startswith("/v1/models/"):
+                name = path.removeprefix("/v1/models/")
+                if name != self._backend().model_name:
+                    raise ModelNotFound(name)
+                self._send(200, self._model())
             else:
-                raise ApiError(404, f"no route GET {self.path}; try /health, /v1/models")
+                raise ApiError(404, f"no route GET {path}; try /health, /metrics, /v1/models")
         except Exception as exc:
             self._error(api_error(exc))
 
     def do_POST(self) -> None:
-        if self.path != "/v1/completions":
-            return self._error(ApiError(404, f"no route POST {self.path}; try POST /v1/completions"))
+        record, metrics = _Record(), self.server.metrics
         self.server.track(+1)
+        metrics.in_flight.labels(DOOR).inc()
         try:
-            self._completion(self._body())
+            tenant = self._authorize()
+            body = self._body()
+            path = urlsplit(self.path).path
+            if path not in ROUTES:
+                raise ApiError(404, f"no route POST {path}; try {' or '.join(ROUTES)}")
+            self._generate(*ROUTES[path], body, tenant, record)
         except (BrokenPipeError, ConnectionResetError):
-            pass  # the client left before its answer
+            record.outcome = "cancelled"  # the client left before its answer
         except Exception as exc:
             error = api_error(exc)
             if error.status == 500:  # a bug: answer rather than drop the connection
                 traceback.print_exc()
+            record.outcome = outcome(error.status)
             self._error(error)
         finally:
             self.server.track(-1)
+            metrics.in_flight.labels(DOOR).dec()
+            ok = record.outcome == "ok"
+            metrics.finished(DOOR, record.outcome, record.ttft_s if ok else None,
+                             time.monotonic() - record.start if ok else None, record.usage)
 
     # -- handlers -------------------------------------------------------------------
+    def _authorize(self) -> str:
+        """The caller's tenant; 401 unless auth is off or the bearer token is known."""
+        auth = self.server.auth
+        if not auth.enabled:
+            return DEFAULT_TENANT
+        tenant = auth.tenant(self.headers.get("Authorization"))
+        if tenant is None:
+            raise ApiError(401, "missing or unknown bearer token: send 'Authorization: Bearer TOKEN'",
+                           headers={"WWW-Authenticate": 'Bearer realm="brigade"'})
+        return tenant
+
     def _backend(self) -> Backend:
         if self.server.draining.is_set():
             raise ApiError(503, "server is shutting down; retry on another replica", retry_after=RETRY_AFTER_S)
@@ -151,17 +255,42 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(503, "server is starting; retry shortly", retry_after=RETRY_AFTER_S)
         return self.server.backend
 
+    def _model(self) -> dict:
+        backend = self._backend()
+        return {"id": backend.model_name, "object": "model", "created": 0, "owned_by": "brigade",
+                "max_model_len": backend.max_model_len}
+
     def _health(self) -> None:
         if self.server.draining.is_set():
-            return self._send(503, {"status": "draining"}, retry_after=RETRY_AFTER_S)
+            return self._send(503, {"status": "draining"},
+                              headers={"Retry-After": str(RETRY_AFTER_S)})
         ok, details = self._backend().health()
         self._send(200 if ok else 503, {"status": "ok" if ok else "unavailable", **details},
-                   retry_after=None if ok else RETRY_AFTER_S)
+                   headers=None if ok else {"Retry-After": str(RETRY_AFTER_S)})
+
+    def _metrics(self) -> None:
+        """Prometheus text; the router's queue gauges are read now, at scrape time."""
+        metrics = self.server.metrics
+        if self.server.backend is not None:
+            _, details = self.server.backend.health()
+            if "waiting" in details:
+                metrics.set_router_queue(details["waiting"], details["running"])
+        self._send_bytes(200, metrics.exposition(), CONTENT_TYPE)
 
     def _body(self) -> dict:
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > MAX_BODY_BYTES:
-            raise ApiError(413, f"request body over {MAX_BODY_BYTES} bytes")
+        limit = self.server.frontdoor.max_message_bytes
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+            if length < 0:
+                raise ValueError
+        except ValueError:
+            raise ApiError(400, f"bad Content-Length {self.headers.get('Content-Length')!r:.40}") from None
+        if length > limit:
+            if length <= DRAIN_LIMIT_BYTES:  # read it, so the client is not reset before it sees the 413
+                while length > 0 and (got := self.rfile.read(min(length, 1 << 16))):
+                    length -= len(got)
+            raise ApiError(413, f"request body of {self.headers['Content-Length']} bytes is over the "
+                                f"{limit}-byte limit (frontdoor.max_message_bytes)")
         try:
             body = json.loads(self.rfile.read(length) or b"null")
         except (ValueError, UnicodeDecodeError) as exc:
@@ -170,101 +299,82 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(400, "request body must be a JSON object")
         return body
 
-    def _completion(self, body: dict) -> None:
+    def _generate(self, parse, shape_cls, body: dict, tenant: str, record: _Record) -> None:
         backend = self._backend()
-        if body.get("model") not in (None, backend.model_name):
-            raise ApiError(404, f"model {body['model']!r} is not served here; see /v1/models", "model")
-        if body.get("n", 1) != 1:
-            raise ApiError(400, "only n=1 is supported", "n")
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if not isinstance(prompt, str):
-            prompt = token_ids(prompt, "prompt")
-        params = sampling_params(body, SamplingParams(), SAMPLING_FIELDS)
-        ids = backend.tokenize(prompt)
-        backend.validate(ids, params)
-
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": backend.model_name}
-        with_ids = body.get("return_token_ids") is True  # an extension (as in vLLM): the tokens, not only text
-        with closing(backend.generate(rid, ids, params)) as chunks:
+        parsed = parse(body, backend)
+        shape = shape_cls(backend, parsed)
+        salt = cache_salt(tenant, parsed.cache_salt)
+        with closing(backend.generate(shape.id, parsed.prompt_ids, parsed.params, cache_salt=salt)) as chunks:
             first = next(chunks)  # admission errors surface here, before any header is sent
-            if not body.get("stream"):
-                return self._whole(head, first, chunks, with_ids)
-            self._stream(head, first, chunks, with_ids,
-                         include_usage=bool((body.get("stream_options") or {}).get("include_usage")))
+            record.ttft_s = time.monotonic() - record.start
+            if parsed.stream:
+                self._stream(shape, first, chunks, record)
+            else:
+                self._whole(shape, first, chunks, record)
 
-    def _whole(self, head: dict, first: Chunk, chunks: Iterator[Chunk], with_ids: bool) -> None:
-        text, ids, last = [first.text], list(first.token_ids), first
+    def _whole(self, shape: CompletionShape, first: Chunk, chunks: Iterator[Chunk], record: _Record) -> None:
+        got, last = Collected(), first
+        got.add(first)
         while not last.finished:
             last = next(chunks)
-            text.append(last.text)
-            ids += last.token_ids
-        choice = _choice("".join(text), last.finish_reason, ids if with_ids else None)
-        self._send(200, {**head, "choices": [choice], "usage": _usage(last)})
+            got.add(last)
+        record.usage = last.usage
+        self._send(200, shape.whole(got, last.finish_reason, last.usage))
+        record.outcome = "ok"
 
-    def _stream(self, head: dict, first: Chunk, chunks: Iterator[Chunk], with_ids: bool, include_usage: bool) -> None:
+    def _stream(self, shape: CompletionShape, first: Chunk, chunks: Iterator[Chunk], record: _Record) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.end_headers()
         chunk = first
         try:
+            for event in shape.opening():
+                self._event(event)
             while True:
-                choice = _choice(chunk.text, chunk.finish_reason if chunk.finished else None,
-                                 chunk.token_ids if with_ids else None)
-                self._event({**head, "choices": [choice]})
+                self._event(shape.delta(chunk))
                 if chunk.finished:
                     break
                 chunk = next(chunks)
-            if include_usage:
-                self._event({**head, "choices": [], "usage": _usage(chunk)})
+            if shape.parsed.include_usage:
+                self._event(shape.usage_event(chunk.usage))
             self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+            record.usage, record.outcome = chunk.usage, "ok"
         except (BrokenPipeError, ConnectionResetError):
-            raise  # do_POST ignores it; closing `chunks` aborts the request
+            raise  # do_POST records it; closing `chunks` aborts the request
         except Exception as exc:  # headers are out: report the failure in the stream
             error = api_error(exc)
-            self._event({"error": {"message": str(error), "type": _error_type(error.status), "param": error.param}})
+            record.outcome = outcome(error.status)
+            self._event({"error": _error_body(error)})
 
     # -- output ---------------------------------------------------------------------
     def _event(self, payload: dict) -> None:
         self.wfile.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
         self.wfile.flush()
 
-    def _send(self, status: int, payload: dict, retry_after: int | None = None) -> None:
-        data = json.dumps(payload).encode()
+    def _send(self, status: int, payload: dict, headers: dict[str, str] | None = None) -> None:
+        self._send_bytes(status, json.dumps(payload).encode(), "application/json", headers)
+
+    def _send_bytes(self, status: int, data: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
-        if retry_after is not None:
-            self.send_header("Retry-After", str(retry_after))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(data)
 
     def _error(self, exc: ApiError) -> None:
         try:
-            self._send(exc.status, {"error": {"message": str(exc), "type": _error_type(exc.status),
-                                              "param": exc.param}}, retry_after=exc.retry_after)
+            self._send(exc.status, {"error": _error_body(exc)}, headers=exc.headers)
         except (BrokenPipeError, ConnectionResetError):
             pass
 
 
-def _error_type(status: int) -> str:
-    return {429: "rate_limit_error"}.get(status, "invalid_request_error" if status < 500 else "server_error")
-
-
-def _choice(text: str, finish_reason: str | None, ids: list[int] | None) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    if ids is not None:
-        choice["token_ids"] = ids
-    return choice
-
-
-def _usage(chunk: Chunk) -> dict:
-    u = chunk.usage
-    if u is None:  # e.g. an aborted request's last chunk
-        return {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+def _error_body(error: ApiError) -> dict:
+    kind = {401: "authentication_error", 429: "rate_limit_error"}.get(
+        error.status, "invalid_request_error" if error.status < 500 else "server_error")
+    code = {401: "invalid_api_key", 404: "model_not_found" if error.param == "model" else None,
+            413: "request_too_large"}.get(error.status)
+    return {"message": str(error), "type": kind, "param": error.param, "code": code}

@@ -16,6 +16,7 @@ from engine.sampling import InvalidRequest, SamplingParams
 SAMPLING_FIELDS: dict[str, str] = {
     "max_tokens": "int", "temperature": "number", "top_p": "number", "top_k": "int",
     "min_p": "number", "seed": "int", "stop": "strings", "ignore_eos": "bool",
+    "logprobs": "int",  # top-n per token; the chat API's `logprobs: true, top_logprobs: n` maps onto it
 }
 
 

@@ -345,7 +345,7 @@ class FakeBackend:
     def validate(self, token_ids, params) -> None:
         pass
 
-    def generate(self, request_id, token_ids, params):
+    def generate(self, request_id, token_ids, params, *, cache_salt=None):
         from engine.outputs import Usage
         from router.types import Chunk
 
