@@ -230,11 +230,11 @@ class Handler(BaseHTTPRequestHandler):
             record.outcome = outcome(error.status)
             self._error(error)
         finally:
-            self.server.track(-1)
             metrics.in_flight.labels(DOOR).dec()
             ok = record.outcome == "ok"
             metrics.finished(DOOR, record.outcome, record.ttft_s if ok else None,
                              time.monotonic() - record.start if ok else None, record.usage)
+            self.server.track(-1)  # last: once idle, every answer is in the metrics
 
     # -- handlers -------------------------------------------------------------------
     def _authorize(self) -> str:

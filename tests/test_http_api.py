@@ -91,7 +91,7 @@ class FakeBackend:
 def start(frontdoor: FrontDoorConfig = FrontDoorConfig(), auth: Authenticator | None = None):
     server = ApiServer("127.0.0.1", 0, frontdoor, metrics=FrontDoorMetrics(), auth=auth)
     server.backend = FakeBackend()
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     return server
 
 
@@ -138,6 +138,7 @@ def get(url: str, token: str | None = None) -> tuple[int, bytes, dict]:
 def metric(server: ApiServer, name: str, **labels) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
+    assert server.wait_idle(10)  # a handler records its answer just after the client has it
     text = server.metrics.exposition().decode()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -343,6 +344,7 @@ def test_metrics_count_answers_and_read_the_router_queue(server: ApiServer) -> N
     api.completions.create(model="fake", prompt="hi")
     with pytest.raises(openai.BadRequestError):
         api.completions.create(model="fake", prompt="hi", temperature=-1)
+    assert server.wait_idle(10)
     status, text, headers = get(f"{server.url}/metrics")
     assert status == 200 and headers["Content-Type"].startswith("text/plain")
     assert b'brigade_requests_total{door="http",outcome="ok"} 1.0' in text
