@@ -326,6 +326,27 @@ def test_a_taken_port_fails_before_anything_starts(capsys) -> None:
     assert time.monotonic() - start < 10  # no Ray, no Redis, no model
 
 
+BAD_FRONTDOOR = {
+    "auth env unset": ("frontdoor:\n  auth:\n    token_env: BRIGADE_TEST_NO_SUCH_VAR\n",
+                       "error: auth.token_env names $BRIGADE_TEST_NO_SUCH_VAR, which is unset or empty"),
+    "auth file missing": ("frontdoor:\n  auth:\n    token_file: /nonexistent/tokens\n",
+                          "error: auth.token_file /nonexistent/tokens: No such file or directory"),
+    "tls files missing": ("frontdoor:\n  tls:\n    cert_file: /nonexistent/c.pem\n    key_file: /nonexistent/k.pem\n",
+                          "error: frontdoor.tls: cannot load cert_file /nonexistent/c.pem with key_file"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_FRONTDOOR)
+def test_bad_frontdoor_setup_fails_before_anything_starts(name: str, tmp_path: Path, capsys) -> None:
+    text, expected = BAD_FRONTDOOR[name]
+    (tmp_path / "c.yaml").write_text(text)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", "--http-port", "0", "--config", str(tmp_path / "c.yaml")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
+    assert err.startswith(expected), err
+
+
 # -- the HTTP front door over a stand-in backend (no Ray, no model) -----------------------------
 
 
