@@ -31,6 +31,13 @@ class ParsedRequest:
     cache_salt: str | None  # the request's own salt (vLLM's field); the door prefixes the tenant
 
 
+UNSUPPORTED = ("frequency_penalty", "presence_penalty", "logit_bias", "tools", "functions", "response_format")
+
+
+def _plain_text_format(name: str, value: Any) -> bool:
+    return name == "response_format" and value == {"type": "text"}
+
+
 def _common(body: dict, backend) -> dict[str, Any]:
     if body.get("model") not in (None, backend.model_name):
         raise ModelNotFound(body["model"])
@@ -41,6 +48,9 @@ def _common(body: dict, backend) -> dict[str, Any]:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise InvalidRequest("stream_options", "must be an object like {\"include_usage\": true}")
+    for name in UNSUPPORTED:  # refused rather than ignored: the answer would not be what was asked
+        if body.get(name) not in (None, 0, [], {}) and not _plain_text_format(name, body[name]):
+            raise InvalidRequest(name, f"{name} is not supported here")
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise InvalidRequest("cache_salt", f"must be a non-empty string, got {salt!r:.40}")
@@ -74,7 +84,7 @@ def parse_chat(body: dict, backend) -> ParsedRequest:
         raise InvalidRequest("top_logprobs", "needs \"logprobs\": true")
     if logprobs:
         fields["logprobs"] = 0 if top is None else top
-    ids = backend.chat_token_ids(body.get("messages"))
+    ids = backend.chat_token_ids(_text_parts_joined(body.get("messages")))
     try:
         params = sampling_params(fields, SamplingParams(), SAMPLING_FIELDS)
         backend.validate(ids, params)
@@ -86,6 +96,22 @@ def parse_chat(body: dict, backend) -> ParsedRequest:
             raise InvalidRequest(renamed[exc.field], str(exc).split(": ", 1)[1]) from None
         raise
     return ParsedRequest(ids, params, **common)
+
+
+def _text_parts_joined(messages: Any) -> Any:
+    """Content given as text parts ([{"type": "text", "text": ...}], as newer clients send it)
+    as one string; anything else goes to the template check unchanged."""
+    if not isinstance(messages, list):
+        return messages
+    out = []
+    for m in messages:
+        parts = m.get("content") if isinstance(m, dict) else None
+        if (isinstance(parts, list) and parts
+                and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                        for p in parts)):
+            m = {**m, "content": "".join(p["text"] for p in parts)}
+        out.append(m)
+    return out
 
 
 def _flag(body: dict, name: str) -> bool:

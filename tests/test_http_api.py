@@ -57,6 +57,7 @@ class FakeBackend:
     def chat_token_ids(self, messages):
         if not isinstance(messages, list) or not messages:
             raise InvalidRequest("messages", "must be a non-empty list")
+        self.messages = messages
         return [7] * len(messages)
 
     def validate(self, token_ids, params) -> None:
@@ -197,6 +198,13 @@ def test_chat_whole_and_streamed_with_logprobs(server: ApiServer) -> None:
     assert events[-1].choices == [] and events[-1].usage.completion_tokens == 3
     assert server.backend.calls[-1]["params"].logprobs is None
 
+    # what clients send by default is accepted: neutral penalties, plain-text format, content as text parts
+    api.chat.completions.create(model="fake", frequency_penalty=0, presence_penalty=0.0, tools=[],
+                                response_format={"type": "text"},
+                                messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                       {"type": "text", "text": "b"}]}])
+    assert server.backend.messages == [{"role": "user", "content": "ab"}]
+
 
 def test_models_and_unknown_model(server: ApiServer) -> None:
     api = client(server)
@@ -236,6 +244,9 @@ CHAT_INVALID = [
     ({"temperature": "hot"}, "temperature"),
     ({"stream": "yes"}, "stream"),
     ({"cache_salt": ""}, "cache_salt"),
+    ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
 ]
 
 
