@@ -20,7 +20,9 @@ closing the backend's stream aborts its work and frees its KV.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import select
 import socket
 import ssl
 import threading
@@ -41,8 +43,11 @@ from router.types import Chunk, NoWorker, Overloaded
 
 RETRY_AFTER_S = 1  # what 429/503 answers suggest; the condition is usually brief
 HANDSHAKE_TIMEOUT_S = 10.0  # a TLS client that stalls its handshake gives up its thread after this
+IO_TIMEOUT_S = 60.0  # one socket read or write; a client that stalls this long is gone (or slow-loris)
 DRAIN_LIMIT_BYTES = 64 << 20  # an oversized body up to this is read and dropped, so the 413 reaches the client
 DOOR = "http"
+# A write or read that fails this way means the client is gone: the request is cancelled.
+CLIENT_GONE = (ConnectionError, TimeoutError, ssl.SSLError)
 ROUTES = {"/v1/completions": (parse_completion, CompletionShape),
           "/v1/chat/completions": (parse_chat, ChatShape)}
 
@@ -128,6 +133,7 @@ class ApiServer(ThreadingHTTPServer):
         self.metrics = metrics if metrics is not None else FrontDoorMetrics()
         self.auth = auth if auth is not None else Authenticator({})
         self.backend: Backend | None = None
+        self.io_timeout_s = IO_TIMEOUT_S
         self.draining = threading.Event()
         self._in_flight = 0
         self._idle = threading.Condition()
@@ -187,6 +193,10 @@ class _Record:
 class Handler(BaseHTTPRequestHandler):
     server: ApiServer
 
+    def setup(self) -> None:
+        self.timeout = self.server.io_timeout_s  # applied to the connection by super().setup()
+        super().setup()
+
     # -- routes ---------------------------------------------------------------------
     def do_GET(self) -> None:
         path = urlsplit(self.path).path
@@ -221,7 +231,7 @@ class Handler(BaseHTTPRequestHandler):
             if path not in ROUTES:
                 raise ApiError(404, f"no route POST {path}; try {' or '.join(ROUTES)}")
             self._generate(*ROUTES[path], body, tenant, record)
-        except (BrokenPipeError, ConnectionResetError):
+        except CLIENT_GONE:
             record.outcome = "cancelled"  # the client left before its answer
         except Exception as exc:
             error = api_error(exc)
@@ -287,12 +297,19 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(400, f"bad Content-Length {self.headers.get('Content-Length')!r:.40}") from None
         if length > limit:
             if length <= DRAIN_LIMIT_BYTES:  # read it, so the client is not reset before it sees the 413
-                while length > 0 and (got := self.rfile.read(min(length, 1 << 16))):
-                    length -= len(got)
+                with contextlib.suppress(TimeoutError):
+                    while length > 0 and (got := self.rfile.read(min(length, 1 << 16))):
+                        length -= len(got)
             raise ApiError(413, f"request body of {self.headers['Content-Length']} bytes is over the "
                                 f"{limit}-byte limit (frontdoor.max_message_bytes)")
         try:
-            body = json.loads(self.rfile.read(length) or b"null")
+            data = self.rfile.read(length)
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.server.io_timeout_s:g} s") from None
+        if len(data) < length:
+            raise ApiError(400, f"request body ended after {len(data)} of {length} bytes (Content-Length)")
+        try:
+            body = json.loads(data or b"null")
         except (ValueError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"request body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
@@ -316,6 +333,8 @@ class Handler(BaseHTTPRequestHandler):
         got, last = Collected(), first
         got.add(first)
         while not last.finished:
+            if self._client_gone():
+                raise ConnectionResetError("the client closed the connection")  # cancelled: abort the work
             last = next(chunks)
             got.add(last)
         record.usage = last.usage
@@ -341,12 +360,26 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
             record.usage, record.outcome = chunk.usage, "ok"
-        except (BrokenPipeError, ConnectionResetError):
+        except CLIENT_GONE:
             raise  # do_POST records it; closing `chunks` aborts the request
         except Exception as exc:  # headers are out: report the failure in the stream
             error = api_error(exc)
             record.outcome = outcome(error.status)
             self._event({"error": _error_body(error)})
+
+    def _client_gone(self) -> bool:
+        """Whether a plain-TCP client has closed its end (it sends nothing more after its
+        request, so a readable socket with nothing to read means EOF). Not checked under TLS,
+        where peeking is not possible; there a whole answer finishes before the loss shows."""
+        conn = self.connection
+        if isinstance(conn, ssl.SSLSocket) or not select.select([conn], [], [], 0)[0]:
+            return False
+        try:
+            return conn.recv(1, socket.MSG_PEEK) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
 
     # -- output ---------------------------------------------------------------------
     def _event(self, payload: dict) -> None:
@@ -368,7 +401,7 @@ class Handler(BaseHTTPRequestHandler):
     def _error(self, exc: ApiError) -> None:
         try:
             self._send(exc.status, {"error": _error_body(exc)}, headers=exc.headers)
-        except (BrokenPipeError, ConnectionResetError):
+        except CLIENT_GONE:
             pass
 
 

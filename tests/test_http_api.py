@@ -280,6 +280,18 @@ def test_bad_bodies_and_the_size_limit() -> None:
         server.server_close()
 
 
+def test_a_body_that_stalls_or_ends_early(server: ApiServer) -> None:
+    server.io_timeout_s = 0.5
+    with raw_post(server, b'{"prompt": ', length=40) as sock:  # promises 40 bytes, sends 11 and waits
+        reply = sock.makefile("rb").read()
+    assert reply.startswith(b"HTTP/1.0 408") and b"did not arrive" in reply
+    with raw_post(server, b'{"prompt": ', length=40) as sock:
+        sock.shutdown(socket.SHUT_WR)  # sends 11 and ends
+        reply = sock.makefile("rb").read()
+    assert reply.startswith(b"HTTP/1.0 400") and b"ended after 11 of 40 bytes" in reply
+    assert not server.backend.calls
+
+
 def test_router_refusals_surface_as_openai_exceptions(server: ApiServer) -> None:
     api = client(server)
     server.backend.fail = Overloaded("overloaded: 9 requests waiting; retry later")
@@ -294,16 +306,25 @@ def test_router_refusals_surface_as_openai_exceptions(server: ApiServer) -> None
     assert metric(server, "brigade_requests_total", door="http", outcome="unavailable") == 1
 
 
-def test_a_client_that_leaves_mid_stream_closes_the_backend_stream(server: ApiServer) -> None:
+def raw_post(server: ApiServer, body: bytes, length: int | None = None) -> socket.socket:
+    sock = socket.create_connection(server.server_address[:2])
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body) if length is None else length}\r\n\r\n".encode() + body)
+    return sock
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_closes_the_backend_stream(server: ApiServer, stream: bool) -> None:
     server.backend.endless = True
-    host, port = server.server_address[:2]
-    with socket.create_connection((host, port)) as sock:
-        body = json.dumps({"prompt": "hi", "stream": True, "max_tokens": 60}).encode()
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        got = b""
-        while b"data: {" not in got:
-            got += sock.recv(4096)
+    with raw_post(server, json.dumps({"prompt": "hi", "stream": stream, "max_tokens": 60}).encode()) as sock:
+        if stream:
+            got = b""
+            while b"data: {" not in got:
+                got += sock.recv(4096)
+        else:  # nothing comes back before the end: wait until the request is being generated
+            deadline = time.monotonic() + 10
+            while not server.backend.calls and time.monotonic() < deadline:
+                time.sleep(0.02)
     deadline = time.monotonic() + 10
     while not server.backend.closed and time.monotonic() < deadline:
         time.sleep(0.02)
