@@ -45,6 +45,9 @@ system-deps:
 	@command -v redis-server >/dev/null 2>&1 || { \
 	    $(SUDO) apt-get update && \
 	    $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server; }
+	@command -v openssl >/dev/null 2>&1 || { \
+	    $(SUDO) apt-get update && \
+	    $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y openssl; }  # the TLS test's certificate
 
 test: dev
 	$(RAY_ENV) $(PY) -m pytest $(PYTEST_ARGS)
