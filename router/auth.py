@@ -76,6 +76,8 @@ def _parse(lines: list[str], where: str) -> dict[str, str]:
         if len(fields) > 2:
             raise AuthSetupError(f"{where}, entry {n}: expected 'TOKEN' or 'TENANT TOKEN', got {len(fields)} fields")
         tenant, token = fields if len(fields) == 2 else (DEFAULT_TENANT, fields[0])
+        if ":" in tenant:
+            raise AuthSetupError(f"{where}, entry {n}: tenant names may not contain ':' (it separates salts)")
         if len(token) < 16:
             raise AuthSetupError(f"{where}, entry {n}: tokens must be at least 16 characters "
                                  "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')")
@@ -83,8 +85,13 @@ def _parse(lines: list[str], where: str) -> dict[str, str]:
     return out
 
 
-def cache_salt(tenant: str, requested: str | None = None) -> str:
+def cache_salt(tenant: str, requested: str | None = None) -> str | None:
     """The prefix-cache salt for a request, the same at both doors: the caller's tenant, so
     tenants never share cached prefixes (nor learn of each other's prompts through cache
-    timing); a request's own salt (vLLM's `cache_salt`) narrows it further, within the tenant."""
-    return tenant if requested is None else f"{tenant}:{requested}"
+    timing); a request's own salt (vLLM's `cache_salt`) narrows it further, within the tenant.
+    The default tenant (auth off, or a token listed without a tenant) keeps the unsalted chain,
+    so its block hashes are the documented ones the offline engine uses. Tenant names hold no
+    ':', so "TENANT:SALT" never equals another tenant's salt."""
+    if requested is None:
+        return None if tenant == DEFAULT_TENANT else tenant
+    return f"{tenant}:{requested}"

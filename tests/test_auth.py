@@ -40,3 +40,15 @@ def test_missing_sources(tmp_path, monkeypatch):
     monkeypatch.delenv("BRIGADE_TEST_UNSET", raising=False)
     with pytest.raises(AuthSetupError, match="BRIGADE_TEST_UNSET"):
         Authenticator.from_config(AuthConfig(token_env="BRIGADE_TEST_UNSET"))
+
+
+def test_cache_salt_rule(tmp_path):
+    from router.auth import cache_salt
+
+    assert cache_salt(DEFAULT_TENANT) is None  # auth off: the documented, unsalted hash chain
+    assert cache_salt(DEFAULT_TENANT, "conv") == "default:conv"
+    assert cache_salt("acme") == "acme" and cache_salt("acme", "conv") == "acme:conv"
+    f = tmp_path / "tokens"
+    f.write_text(f"default:conv {TOKEN_A}\n")  # would collide with the default tenant's salted requests
+    with pytest.raises(AuthSetupError, match="':'"):
+        Authenticator.from_config(AuthConfig(token_file=str(f)))
