@@ -44,7 +44,8 @@ def latency_cdfs(runs: list[dict], path: Path) -> Path:
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=7)
-    axes.flat[0].legend(fontsize=7, title="request rate", title_fontsize=7)
+    if axes.flat[0].lines:
+        axes.flat[0].legend(fontsize=7, title="request rate", title_fontsize=7)
     return _save(fig, path)
 
 
