@@ -224,7 +224,8 @@ def run(args: argparse.Namespace, cfg) -> int:
     from loadtest.compare import print_comparison
 
     if args.bench_command == "compare":
-        print_comparison(report.load(Path(args.a)), report.load(Path(args.b)), args.a, args.b)
+        a, b = report.load(Path(args.a)), report.load(Path(args.b))
+        print_comparison(a, b, a.get("label") or args.a, b.get("label") or args.b)
         return 0
     if args.bench_command == "report":
         result = report.load(Path(args.result))
