@@ -32,22 +32,24 @@ class Run:
         self.slots = asyncio.Semaphore(cap) if cap else None
         self.records: list[RequestRecord] = []
         self.t0 = 0.0
-        self.deadline = float("inf")
+        self.duration_s = float("inf")
 
     async def execute(self, sessions: list[Session], offsets: list[float], duration_s: float | None = None,
                       ) -> tuple[list[RequestRecord], float]:
         self.t0 = time.perf_counter()
-        self.deadline = self.t0 + duration_s if duration_s else float("inf")
+        self.duration_s = duration_s or float("inf")
         await asyncio.gather(*(self._session(i, s, off) for i, (s, off) in enumerate(zip(sessions, offsets))))
         return self.records, time.perf_counter() - self.t0
 
     async def _session(self, index: int, session: Session, offset: float) -> None:
+        if offset >= self.duration_s:
+            return  # decided by the schedule, not by how late this task woke
         await asyncio.sleep(max(0.0, self.t0 + offset - time.perf_counter()))
         history = [Message("system", session.system)] if session.system is not None else []
         for k, turn in enumerate(session.turns):
             if k and session.think_time_s:
                 await asyncio.sleep(session.think_time_s)
-            if time.perf_counter() >= self.deadline:
+            if k and time.perf_counter() - self.t0 >= self.duration_s:
                 return
             history.append(Message("user", turn.content))
             prompt = Prompt(f"{session.id}-t{k}-s{self.seed}", session.id, tuple(history), turn.output_len)

@@ -67,6 +67,13 @@ def test_errors_are_counted_by_kind_and_warmup_is_left_out(tmp_path: Path) -> No
     assert {r["error"] for r in run["records"] if r["error_kind"]} == {"stub overloaded"}
 
 
+def test_duration_bounds_the_sessions_started(tmp_path: Path) -> None:
+    with OpenAIStub() as stub:
+        result = bench(stub, tmp_path, "--workload", "random", "--num-prompts", "10", "--input-len", "4",
+                       "--output-len", "1", "--arrival", "fixed", "--request-rate", "4", "--duration", "0.6")
+    assert result["runs"][0]["num_prompts"] == 3 == len(stub.bodies)  # offsets 0, 0.25, 0.5 start; 0.75 on do not
+
+
 def test_multi_turn_resends_the_history_with_the_servers_answers(tmp_path: Path) -> None:
     with OpenAIStub() as stub:
         bench(stub, tmp_path, "--workload", "multi-turn", "--num-sessions", "1", "--num-turns", "3",
