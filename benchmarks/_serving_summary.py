@@ -21,7 +21,7 @@ TARGETS = {"goodput_disagg_vs_colocated": ">= 1.0", "p99_itl_disagg_vs_colocated
 def main(name: str, out: Path) -> None:
     modes = {m: json.loads((out / m / "result.json").read_text()) for m in ("disaggregated", "colocated")}
     raw = {"slo": modes["disaggregated"]["runs"][0]["slo"], "config": modes["disaggregated"]["config"],
-           **{m: [{"request_rate": run["request_rate"], **{k: run[k] for k in HEADLINE}} for run in doc["runs"]]
+           **{m: [{"request_rate": str(run["request_rate"]), **{k: run[k] for k in HEADLINE}} for run in doc["runs"]]
               for m, doc in modes.items()}}
     top = {m: max(doc["runs"], key=lambda run: run["request_rate"]) for m, doc in modes.items()}
 

@@ -95,6 +95,10 @@ def write_html(result: dict, out_dir: Path) -> Path:
     head = "".join(f"<th>{html.escape(title)}</th>" for _, title, _ in HEADLINE)
     rows = "".join("<tr>" + "".join(f"<td>{fmt(run.get(key), pattern)}</td>" for key, _, pattern in HEADLINE)
                    + "</tr>" for run in runs)
+    latency_rows = "".join(
+        f"<tr><td>{fmt(run['request_rate'])}</td><td>{name.upper()}</td>"
+        + "".join(f"<td>{fmt(run.get(f'{stat}_{name}_ms'), '{:.2f}')}</td>" for stat in ("mean", "p50", "p90", "p99"))
+        + "</tr>" for run in runs for name in ("ttft", "tpot", "itl", "e2el"))
     errors = "".join(f"<li>rate {fmt(run['request_rate'])}: {html.escape(json.dumps(run['errors_by_kind']))}</li>"
                      for run in runs if run["errors_by_kind"])
     slo = runs[0]["slo"] if runs else {}
@@ -107,6 +111,8 @@ td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}</style></head><b
 <p>{html.escape(result.get('label') or '')} {html.escape(result['date'])}; endpoint {result['endpoint']};
 SLO {html.escape(json.dumps(slo) if slo else 'none (goodput not computed)')}</p>
 <table><tr>{head}</tr>{rows}</table>
+<h2>Latencies (ms)</h2>
+<table><tr><th>rate</th><th>metric</th><th>mean</th><th>p50</th><th>p90</th><th>p99</th></tr>{latency_rows}</table>
 {f'<h2>Errors by kind</h2><ul>{errors}</ul>' if errors else ''}
 {''.join(f'<p><img src="{f.name}" alt="{f.stem}"></p>' for f in figures)}
 <h2>Config</h2><pre>{html.escape(json.dumps(result['config'], indent=1))}</pre>

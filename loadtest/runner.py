@@ -59,7 +59,7 @@ class Run:
                 self.progress.add(record)
             if not record.ok:
                 return  # the next turn would need this answer
-            history.append(Message("assistant", self._answer_content(answer, turn.content, index, k)))
+            history.append(Message("assistant", self._answer_content(answer, record, turn.content, index, k)))
 
     async def _request(self, prompt: Prompt, turn: int) -> tuple[RequestRecord, tuple[str, list[int] | None]]:
         if self.slots:
@@ -106,7 +106,8 @@ class Run:
                 rec.error_kind, rec.error = "no_tokens", "the answer carried no tokens"
         return rec, ("".join(text), ids if ids_complete and ids else None)
 
-    def _answer_content(self, answer: tuple[str, list[int] | None], asked: Content, session: int, turn: int) -> Content:
+    def _answer_content(self, answer: tuple[str, list[int] | None], record: RequestRecord, asked: Content,
+                        session: int, turn: int) -> Content:
         """The assistant message to resend next turn, in the prompt's own format. Token-id
         prompts need the answer's ids; when the server did not send them (no
         --return-token-ids), deterministic stand-in ids of the same length take their place
@@ -116,7 +117,7 @@ class Run:
             return text
         if ids:
             return ids
-        n = max(1, self.records[-1].output_tokens)
+        n = max(1, record.output_tokens)
         return random_ids(rng_for(self.seed, 6, session, turn), n, self.cfg.workload.vocab_size)
 
 

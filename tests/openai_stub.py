@@ -4,7 +4,9 @@ from Brigade, so a test against it shows `brigade bench` needs only the public p
 It streams `max_tokens` one-token chunks ("w{i} ", ids when asked) and reports usage with
 cached_tokens from its own toy prefix cache: the longest run of whole BLOCK-token blocks the
 prompt shares with an earlier prompt (token-id prompts only). Every `fail_every`-th request
-is answered 503. `bodies` keeps every request body, in arrival order.
+is answered 503; `misbehave` maps a request's number (1-based) to a broken stream: "error" (an
+error event after one token), "abort" (finish_reason "abort"), "cut" (the connection closes after
+one token). `bodies` keeps every request body, in arrival order.
 """
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ BLOCK = 16
 
 
 class OpenAIStub:
-    def __init__(self, token_delay_s: float = 0.001, fail_every: int = 0):
-        self.token_delay_s, self.fail_every = token_delay_s, fail_every
+    def __init__(self, token_delay_s: float = 0.001, fail_every: int = 0, misbehave: dict[int, str] | None = None):
+        self.token_delay_s, self.fail_every, self.misbehave = token_delay_s, fail_every, misbehave or {}
         self.bodies: list[dict] = []
         self.paths: list[str] = []
         self.blocks: set[tuple[int, ...]] = set()  # every cached block-aligned prefix
@@ -82,8 +84,16 @@ class OpenAIStub:
             cached = 0 if chat else self._cached(prompt)
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n")
             n = body["max_tokens"]
+            broken = self.misbehave.get(len(self.bodies))
             for i in range(n):
                 await asyncio.sleep(self.token_delay_s)
+                if broken and i == 1:
+                    if broken == "error":
+                        await self._event(writer, {"error": {"message": "worker died", "type": "server_error"}})
+                    if broken == "abort":
+                        await self._event(writer, {"id": "x", "choices": [
+                            {"index": 0, "text": "", "finish_reason": "abort"}]})
+                    return
                 done = "length" if i == n - 1 else None
                 choice = ({"index": 0, "delta": {"content": f"w{i} "}, "finish_reason": done} if chat
                           else {"index": 0, "text": f"w{i} ", "finish_reason": done})

@@ -67,6 +67,16 @@ def test_errors_are_counted_by_kind_and_warmup_is_left_out(tmp_path: Path) -> No
     assert {r["error"] for r in run["records"] if r["error_kind"]} == {"stub overloaded"}
 
 
+def test_broken_streams_are_errors_of_their_kind(tmp_path: Path) -> None:
+    with OpenAIStub(misbehave={1: "error", 2: "abort", 3: "cut"}) as stub:
+        result = bench(stub, tmp_path, "--workload", "random", "--num-prompts", "4", "--input-len", "4",
+                       "--output-len", "3", "--max-concurrency", "1")
+    run, = result["runs"]
+    assert run["errors_by_kind"] == {"stream_error": 1, "aborted": 1, "incomplete": 1} and run["completed"] == 1
+    assert [r["error"] for r in run["records"]][:1] == ["worker died"]
+    assert run["records"][3]["output_tokens"] == 3 and run["mean_ttft_ms"] == run["records"][3]["ttft_s"] * 1000
+
+
 def test_duration_bounds_the_sessions_started(tmp_path: Path) -> None:
     with OpenAIStub() as stub:
         result = bench(stub, tmp_path, "--workload", "random", "--num-prompts", "10", "--input-len", "4",

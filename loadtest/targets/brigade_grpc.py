@@ -40,6 +40,8 @@ class BrigadeGrpcTarget:
             async for chunk in self.client.stream(
                     **request, max_tokens=prompt.max_tokens, temperature=cfg.temperature,
                     ignore_eos=cfg.ignore_eos or None, session_id=prompt.session_id, model=cfg.model or ""):
+                if chunk.finish_reason == "abort":
+                    raise TargetError("aborted", "the server aborted the request (finish_reason 'abort')")
                 u = chunk.usage
                 yield StreamChunk(time.perf_counter(), len(chunk.token_ids), chunk.text, list(chunk.token_ids),
                                   Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens) if u else None)

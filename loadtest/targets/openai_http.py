@@ -65,6 +65,7 @@ class OpenAIHttpTarget:
                         continue  # blank separators, comments, event names
                     payload = line[5:].strip()
                     if payload == "[DONE]":
+                        finished = True
                         break
                     now = time.perf_counter()
                     chunk, done = self._chunk(payload, now)
@@ -72,7 +73,7 @@ class OpenAIHttpTarget:
                     if chunk is not None:
                         yield chunk
                 if not finished:
-                    raise TargetError("incomplete", "the stream ended before a finish_reason")
+                    raise TargetError("incomplete", "the stream ended before a finish_reason or [DONE]")
         except httpx.TimeoutException as exc:
             raise TargetError("timeout", f"no answer within {self.cfg.timeout_s} s ({type(exc).__name__})") from None
         except httpx.TransportError as exc:
@@ -90,6 +91,8 @@ class OpenAIHttpTarget:
         if not choices:
             return (StreamChunk(now, 0, usage=usage) if usage else None), False
         choice = choices[0]
+        if choice.get("finish_reason") == "abort":  # vLLM's and Brigade's: the server gave the request up
+            raise TargetError("aborted", "the server aborted the request (finish_reason 'abort')")
         delta = choice.get("delta") or {}
         text = (delta.get("content") if self.cfg.endpoint == "chat" else choice.get("text")) or ""
         ids = choice.get("token_ids")
