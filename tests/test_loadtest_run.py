@@ -77,6 +77,20 @@ def test_broken_streams_are_errors_of_their_kind(tmp_path: Path) -> None:
     assert run["records"][3]["output_tokens"] == 3 and run["mean_ttft_ms"] == run["records"][3]["ttft_s"] * 1000
 
 
+def test_trace_replay_shares_the_prefixes_its_hash_ids_share(tmp_path: Path, capsys) -> None:
+    with OpenAIStub() as stub:  # the live progress display on (stderr), as a person runs it
+        assert cli.main(["bench", "run", "--url", stub.url, "--output-dir", str(tmp_path), "--workload", "trace",
+                         "--num-prompts", "5", "--trace-length-scale", "0.03125", "--trace-output-scale", "0.01",
+                         "--trace-time-scale", "0.001", "--max-concurrency", "1"]) == 0
+    assert "5/5" in capsys.readouterr().err
+    run, = json.loads((tmp_path / "result.json").read_text())["runs"]
+    # The trace's first five requests share only hash id 0: a 16-token block after the first request.
+    assert [r["cached_tokens"] for r in run["records"]] == [0, 16, 16, 16, 16]
+    assert [b["prompt"][:16] for b in stub.bodies] == [stub.bodies[0]["prompt"][:16]] * 5
+    assert [len(b["prompt"]) for b in stub.bodies] == [212, 229, 227, 72, 212]  # ceil(input_length / 32)
+    assert [b["max_tokens"] for b in stub.bodies] == [5, 5, 8, 3, 1]  # output_length x 0.01, at least 1
+
+
 def test_duration_bounds_the_sessions_started(tmp_path: Path) -> None:
     with OpenAIStub() as stub:
         result = bench(stub, tmp_path, "--workload", "random", "--num-prompts", "10", "--input-len", "4",
