@@ -15,7 +15,8 @@ examples:
   brigade bench run --workload shared-prefix --num-groups 8 --prompts-per-group 16 \\
       --system-prompt-len 2048 --question-len 64 --output-len 128 --request-rate 1,2,4,8 \\
       --slo ttft=200ms,tpot=50ms --ignore-eos --output-dir results/shared
-  brigade bench run --workload trace --num-prompts 500 --trace-length-scale 0.0625 --trace-time-scale 0.5
+  brigade bench run --workload trace --trace-file mooncake_trace.jsonl --num-prompts 500 \\
+      --trace-length-scale 0.0625 --trace-time-scale 0.5
   brigade bench run --workload multi-turn --num-sessions 16 --num-turns 5 --think-time 2 \\
       --endpoint chat --prompt-format text --model my-model --url http://vllm-host:8000
   brigade bench run --backend brigade-grpc --url 127.0.0.1:50051 --workload random --max-concurrency 32
@@ -132,7 +133,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--num-turns", type=int, metavar="T", help="shared-prefix (1), multi-turn (4)")
     w.add_argument("--think-time", type=float, metavar="S", help="between an answer and the next turn")
     w.add_argument("--num-sessions", type=int, metavar="N", help="multi-turn: conversations (default 8)")
-    w.add_argument("--trace-file", metavar="F.jsonl", help="trace: Mooncake-format file (default the shared one)")
+    w.add_argument("--trace-file", metavar="F.jsonl", help="trace: a Mooncake-format JSONL file (required)")
     w.add_argument("--trace-start", type=float, metavar="S", help="trace: skip requests before S seconds")
     w.add_argument("--trace-window", type=float, metavar="S", help="trace: only S seconds from --trace-start")
     w.add_argument("--trace-block-size", type=int, metavar="N", help="trace: tokens per hash id (512)")

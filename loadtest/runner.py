@@ -34,8 +34,9 @@ class Run:
         self.t0 = 0.0
         self.duration_s = float("inf")
 
-    async def execute(self, sessions: list[Session], offsets: list[float], duration_s: float | None = None,
-                      ) -> tuple[list[RequestRecord], float]:
+    async def execute(self, sessions: list[Session], offsets: list[float],
+                      duration_s: float | None = None) -> tuple[list[RequestRecord], float]:
+        """Every session to its end (or to `duration_s`); the records and the run's wall time."""
         self.t0 = time.perf_counter()
         self.duration_s = duration_s or float("inf")
         await asyncio.gather(*(self._session(i, s, off) for i, (s, off) in enumerate(zip(sessions, offsets))))
@@ -121,8 +122,8 @@ class Run:
         return random_ids(rng_for(self.seed, 6, session, turn), n, self.cfg.workload.vocab_size)
 
 
-def _with_seed(cfg: BenchConfig, seed: int):
-    return cfg.workload.model_copy(update={"seed": seed})
+def _sessions(cfg: BenchConfig, seed: int) -> list[Session]:
+    return build_sessions(cfg.workload.model_copy(update={"seed": seed}))
 
 
 async def run_benchmark(cfg: BenchConfig) -> dict:
@@ -134,10 +135,10 @@ async def run_benchmark(cfg: BenchConfig) -> dict:
         for i, rate in enumerate(cfg.load.request_rates):
             seed = cfg.workload.seed + i
             if cfg.load.warmup:
-                warm = build_sessions(_with_seed(cfg, seed + WARMUP_SEED_OFFSET))[:cfg.load.warmup]
+                warm = _sessions(cfg, seed + WARMUP_SEED_OFFSET)[:cfg.load.warmup]
                 warm = [Session(s.id + "-warmup", s.turns[:1], s.system) for s in warm]
                 await Run(target, cfg, seed + WARMUP_SEED_OFFSET).execute(warm, [0.0] * len(warm))
-            sessions = build_sessions(_with_seed(cfg, seed))
+            sessions = _sessions(cfg, seed)
             offsets = arrival_offsets(sessions, rate, cfg.load.arrival, cfg.load.burstiness, seed)
             total = sum(len(s.turns) for s in sessions)
             with LiveProgress(f"rate {rate:g}/s", total, enabled=cfg.progress) as progress:

@@ -17,6 +17,8 @@ from loadtest import report
 sys.path.insert(0, str(Path(__file__).parent))
 from openai_stub import BLOCK, OpenAIStub  # noqa: E402
 
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_conversation_trace.jsonl"
+
 
 def bench(stub: OpenAIStub, out: Path, *flags: str) -> dict:
     assert cli.main(["bench", "run", "--url", stub.url, "--no-progress", "--output-dir", str(out), *flags]) == 0
@@ -80,8 +82,8 @@ def test_broken_streams_are_errors_of_their_kind(tmp_path: Path) -> None:
 def test_trace_replay_shares_the_prefixes_its_hash_ids_share(tmp_path: Path, capsys) -> None:
     with OpenAIStub() as stub:  # the live progress display on (stderr), as a person runs it
         assert cli.main(["bench", "run", "--url", stub.url, "--output-dir", str(tmp_path), "--workload", "trace",
-                         "--num-prompts", "5", "--trace-length-scale", "0.03125", "--trace-output-scale", "0.01",
-                         "--trace-time-scale", "0.001", "--max-concurrency", "1"]) == 0
+                         "--trace-file", str(TRACE), "--num-prompts", "5", "--trace-length-scale", "0.03125",
+                         "--trace-output-scale", "0.01", "--trace-time-scale", "0.001", "--max-concurrency", "1"]) == 0
     assert "5/5" in capsys.readouterr().err
     run, = json.loads((tmp_path / "result.json").read_text())["runs"]
     # The trace's first five requests share only hash id 0: a 16-token block after the first request.
@@ -160,6 +162,7 @@ def test_bad_flags_are_one_line_naming_the_flag(tmp_path: Path, capsys: pytest.C
         (["--input-len", "0"], "--input-len: bad length '0'"),
         (["--endpoint", "chat", "--prompt-format", "ids"], "the chat endpoint takes text"),
         (["--arrival", "trace"], "--arrival trace needs --workload trace"),
+        (["--workload", "trace"], "--trace-file: Field required"),
         (["--request-rate", "fast"], "expected rates like 1,2,4 or inf"),
     ]
     for flags, message in cases:

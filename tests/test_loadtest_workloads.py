@@ -19,12 +19,15 @@ from loadtest.workloads import (
     build_sessions,
 )
 from loadtest.workloads.tokens import FIRST_ID, as_text, sample_lengths
-from loadtest.workloads.trace import DEFAULT_TRACE, TraceFormatError, load_rows
+from loadtest.workloads.trace import TraceFormatError, load_rows
+
+# The shared Mooncake conversation trace, next to the repository (../shared/data/).
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_conversation_trace.jsonl"
 
 CONFIGS = [RandomWorkload(num_prompts=20, input_len="8:64", output_len="normal:16,4"),
            SharedPrefixWorkload(num_groups=3, prompts_per_group=4, system_prompt_len=48, question_len=8),
            MultiTurnWorkload(num_sessions=3, num_turns=3, input_len="4,8,16", system_prompt_len=10),
-           TraceWorkload(num_prompts=30, length_scale=1 / 32)]
+           TraceWorkload(path=TRACE, num_prompts=30, length_scale=1 / 32)]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.kind)
@@ -90,8 +93,8 @@ def test_multi_turn_sessions() -> None:
 
 
 def test_trace_rows_become_token_blocks_shared_by_hash_id() -> None:
-    rows = load_rows(DEFAULT_TRACE)[:50]
-    sessions = build_sessions(TraceWorkload(num_prompts=50))
+    rows = load_rows(TRACE)[:50]
+    sessions = build_sessions(TraceWorkload(path=TRACE, num_prompts=50))
     assert [len(s.turns[0].content) for s in sessions] == [r["input_length"] for r in rows]
     assert [s.turns[0].output_len for s in sessions] == [r["output_length"] for r in rows]
     # Requests share exactly the blocks their hash ids share.
@@ -110,8 +113,8 @@ def test_trace_rows_become_token_blocks_shared_by_hash_id() -> None:
 
 
 def test_trace_scaling_and_selection() -> None:
-    rows = load_rows(DEFAULT_TRACE)
-    cfg = TraceWorkload(start_s=60, window_s=30, length_scale=1 / 32, output_scale=0.5, time_scale=0.1)
+    rows = load_rows(TRACE)
+    cfg = TraceWorkload(path=TRACE, start_s=60, window_s=30, length_scale=1 / 32, output_scale=0.5, time_scale=0.1)
     sessions = build_sessions(cfg)
     chosen = [r for r in rows if 60 <= r["timestamp"] / 1000 < 90]
     assert len(sessions) == len(chosen) > 0

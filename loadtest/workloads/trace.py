@@ -24,12 +24,10 @@ from loadtest.types import Session, Turn
 from loadtest.workloads.base import WorkloadBase
 from loadtest.workloads.tokens import random_ids, render, rng_for
 
-DEFAULT_TRACE = Path("/work/shared/data/mooncake_conversation_trace.jsonl")
-
 
 class TraceWorkload(WorkloadBase):
     kind: Literal["trace"] = "trace"
-    path: Path = DEFAULT_TRACE
+    path: Path = Field(description="the trace file (JSONL, Mooncake format)")
     num_prompts: int | None = Field(None, ge=1, description="the first N requests of the window (None: all)")
     start_s: float = Field(0.0, ge=0, description="skip the trace's requests before this time")
     window_s: float | None = Field(None, gt=0, description="only requests in [start_s, start_s + window_s)")
