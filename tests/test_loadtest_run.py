@@ -181,3 +181,16 @@ def test_an_unreachable_server_is_an_error_kind_not_a_crash(tmp_path: Path) -> N
                      "--num-prompts", "2", "--input-len", "4", "--output-len", "2"]) == 0
     run, = json.loads((tmp_path / "result.json").read_text())["runs"]
     assert run["errors_by_kind"] == {"connection": 2} and run["completed"] == 0
+
+
+def test_the_load_generator_needs_no_engine_torch_or_ray() -> None:
+    """`brigade bench` runs on a client machine: it imports none of the serving stack."""
+    import subprocess
+
+    code = ("import json, sys; import loadtest.cli, loadtest.runner, loadtest.report, loadtest.compare, "
+            "loadtest.targets.openai_http; print(json.dumps(sorted({m.partition('.')[0] for m in sys.modules})))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    loaded = set(json.loads(proc.stdout.splitlines()[-1]))
+    assert "loadtest" in loaded and not loaded & {"engine", "torch", "ray", "redis", "router"}
