@@ -18,6 +18,7 @@ examples:
   brigade generate --prompt "The capital of France is"      # greedy, built-in 'tiny' preset
   brigade generate --model ~/models/Qwen3-0.6B --prompt "Hi" --chat --max-tokens 64
   brigade serve --prefill 1 --decode 1 --http-port 8000   # OpenAI-compatible HTTP API on a Ray cluster
+  brigade bench run --url http://127.0.0.1:8000 --workload shared-prefix --request-rate 1,2,4   # load test
 
 Run 'brigade <command> --help' for a command's flags.
 """
@@ -189,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--http-port", type=int, metavar="P", help="default 8000; 0 picks a free one")
     h.add_argument("--grpc-port", type=int, metavar="P", help="the gRPC API's port (not built yet: leave unset)")
     srv.set_defaults(run="cluster.serve", make_config=cluster_config)
+
+    from loadtest.cli import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
