@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import logging
 import threading
 import time
@@ -99,8 +100,8 @@ class GrpcServer:
             else:
                 bound = self._server.add_insecure_port(address)
         except RuntimeError:  # gRPC's own message says only "Failed to bind"
-            raise OSError(f"cannot bind {address}: the port is in use, or the host is not an address "
-                          "of this machine") from None
+            raise OSError(errno.EADDRINUSE, "the port is in use, or the host is not an address of this machine",
+                          address) from None
         await self._server.start()
         for name in ("", SERVICE):
             await self._health.set(name, NOT_SERVING)
