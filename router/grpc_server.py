@@ -114,7 +114,9 @@ class GrpcServer:
         ok = False
         if self.state.backend is not None:
             try:
-                ok, _ = await self.state.backend.ahealth()
+                ok, details = await self.state.backend.ahealth()
+                if "running" in details:  # the queue gauges an autoscaler reads from /metrics
+                    self.state.metrics.set_router_queue(details["waiting"], details["running"])
             except Exception as exc:
                 log.warning("health check failed: %r", exc)
         for name in ("", SERVICE):
