@@ -191,6 +191,33 @@ def test_unavailable_after_the_first_token_is_not_retried(door) -> None:
     assert got == ["t1"] and len(backend.calls) == 1
 
 
+def test_the_async_client_retries_and_raises_typed_errors(door) -> None:
+    import asyncio
+
+    from brigade_client import AsyncClient
+
+    server, backend = door
+
+    async def main():
+        async with AsyncClient(server.address, max_retries=2) as client:
+            backend.fail = [NoWorker("no live prefill worker")]
+            assert [c.text async for c in client.stream("hi")] == ["t1", "t2", "t3"]
+            backend.fail = [NoWorker("no live prefill worker")]
+            assert (await client.generate("hi")).token_ids == [1, 2, 3]
+            with pytest.raises(InvalidArgument) as info:
+                await client.generate("hi", min_p=2.0)
+            assert info.value.field == "min_p" and info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            backend.fail = [Overloaded("overloaded")]
+            with pytest.raises(ResourceExhausted):
+                [c async for c in client.stream("hi")]
+            assert await client.tokenize(messages=[{"role": "user", "content": "x"}]) == [8]
+            assert await client.detokenize([4, 5]) == "4,5"
+            assert [m.id for m in await client.models()] == ["stand-in"]
+
+    asyncio.run(main())
+    assert len(backend.calls) == 5  # 2 + 2 with a retry each, min_p refused at the door, 1 overloaded
+
+
 def test_another_model_and_bad_fields_are_refused(door) -> None:
     server, backend = door
     with Client(server.address) as client:
