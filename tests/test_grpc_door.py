@@ -218,6 +218,21 @@ def test_the_async_client_retries_and_raises_typed_errors(door) -> None:
     assert len(backend.calls) == 5  # 2 + 2 with a retry each, min_p refused at the door, 1 overloaded
 
 
+def test_retry_delay_is_jittered_bounded_and_only_for_unavailable() -> None:
+    from brigade_client import BrigadeError
+    from brigade_client._calls import BACKOFF_BASE_S, Deadline, retry_delay
+
+    unavailable = BrigadeError(grpc.StatusCode.UNAVAILABLE, "no worker")
+    hinted = BrigadeError(grpc.StatusCode.UNAVAILABLE, "no worker", retry_after_s=0.5)
+    delays = [retry_delay(unavailable, 2, 3, Deadline(None)) for _ in range(200)]
+    assert all(0 <= d <= BACKOFF_BASE_S * 4 for d in delays) and len(set(delays)) > 100  # jittered
+    assert retry_delay(hinted, 0, 3, Deadline(None)) >= 0.5  # never sooner than the server asks
+    assert retry_delay(unavailable, 3, 3, Deadline(None)) is None  # out of retries
+    assert retry_delay(hinted, 0, 3, Deadline(0.1)) is None  # the wait would outlive the call's timeout
+    for code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED):
+        assert retry_delay(BrigadeError(code, "x"), 0, 3, Deadline(None)) is None
+
+
 def test_another_model_and_bad_fields_are_refused(door) -> None:
     server, backend = door
     with Client(server.address) as client:
