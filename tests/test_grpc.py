@@ -177,6 +177,32 @@ def test_a_client_that_leaves_mid_stream_frees_the_kv(door, cluster) -> None:
     assert door.in_flight == 0
 
 
+def test_a_cancelled_task_while_prefilling_frees_the_kv(door, cluster) -> None:
+    """The async client's task is cancelled before the first token (a 3,000-token prompt is
+    still prefilling): the router aborts the prefill and the decode reservation."""
+    cl, _ = cluster
+    long_prompt = [random.Random(1).randrange(3, 4000) for _ in range(3000)]
+    cancelled = outcomes(door, "cancelled")
+
+    async def main():
+        async with AsyncClient(door.address, timeout=120) as client:
+            async def consume():
+                return [c async for c in client.stream(long_prompt, max_tokens=50, temperature=0.0)]
+
+            task = asyncio.create_task(consume())
+            deadline = time.monotonic() + 30
+            while (await cl.router.status.remote())["running"] == 0:  # admitted: now on the workers
+                assert time.monotonic() < deadline and not task.done()
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(main())
+    wait_for(lambda: outcomes(door, "cancelled") == cancelled + 1, what="the server saw the cancellation")
+    wait_for(lambda: router_idle(cl) and pools_whole(cl), what="router idle and every pool whole")
+
+
 def test_a_deadline_aborts_the_work(door, cluster) -> None:
     cl, _ = cluster
     deadline = outcomes(door, "deadline")
