@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 import grpc
-from brigade_client.errors import FIELD_KEY, RETRY_AFTER_KEY
+from brigade_client.errors import FIELD_KEY, RETRY_AFTER_KEY, STARTED_KEY
 from brigade_client.v1 import brigade_pb2 as pb
 from google.protobuf.message import DecodeError
 
@@ -61,9 +61,12 @@ class Refused(Exception):
                  retry: bool = False):
         super().__init__(message)
         self.code, self.outcome, self.field, self.retry = code, outcome, field, retry
+        self.started = False
 
     def trailers(self) -> tuple[tuple[str, str], ...]:
         out = ((FIELD_KEY, self.field),) if self.field else ()
+        if self.started:  # tokens existed: a retry would run the request again, so no hint either
+            return out + ((STARTED_KEY, "1"),)
         return out + (((RETRY_AFTER_KEY, str(RETRY_AFTER_MS)),) if self.retry else ())
 
 
@@ -230,10 +233,12 @@ class _Run:
         self.start = time.monotonic()
         self.ttft: float | None = None
         self.last: Chunk | None = None
+        self.chunks = 0
         state.in_flight += 1
         state.metrics.in_flight.labels(DOOR).inc()
 
     def seen(self, chunk: Chunk) -> None:
+        self.chunks += 1
         if self.ttft is None and chunk.token_ids:
             self.ttft = time.monotonic() - self.start
         if chunk.finished:
@@ -241,6 +246,7 @@ class _Run:
 
     def refuse(self, exc: Exception) -> None:
         self.refused = refusal(exc)
+        self.refused.started = self.chunks > 0
         self.outcome = self.refused.outcome
 
     def gone(self, context) -> None:

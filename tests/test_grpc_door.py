@@ -189,6 +189,9 @@ def test_unavailable_after_the_first_token_is_not_retried(door) -> None:
         for chunk in client.stream("hi"):
             got.append(chunk.text)
     assert got == ["t1"] and len(backend.calls) == 1
+    with Client(server.address, max_retries=3) as client, pytest.raises(Unavailable) as info:
+        client.generate("hi")  # unary: the server says tokens existed, so the SDK does not rerun it
+    assert info.value.started and info.value.retry_after_s is None and len(backend.calls) == 2
 
 
 def test_the_async_client_retries_and_raises_typed_errors(door) -> None:

@@ -86,10 +86,10 @@ class Deadline:
 
 
 def retry_delay(err: BrigadeError, attempt: int, max_retries: int, deadline: Deadline) -> float | None:
-    """Seconds to wait before retrying, or None to give up. Only UNAVAILABLE is retried (the
-    callers only ask before the first token): the request never started, so a retry cannot
-    duplicate work. Full jitter, at least the server's hint."""
-    if err.code != grpc.StatusCode.UNAVAILABLE or attempt >= max_retries:
+    """Seconds to wait before retrying, or None to give up. Only UNAVAILABLE before the first
+    token is retried (streams ask only then; a unary call's server says `started` when tokens
+    existed), so a retry never runs a request twice. Full jitter, at least the server's hint."""
+    if err.code != grpc.StatusCode.UNAVAILABLE or err.started or attempt >= max_retries:
         return None
     delay = max(err.retry_after_s or 0.0, random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** attempt)))
     left = deadline.left()
