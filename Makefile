@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 # Files starting with `_` are helpers, not benchmarks.
 BENCHES := $(filter-out benchmarks/_%,$(wildcard benchmarks/*.py))
 
-.PHONY: venv dev system-deps test serve lint bench clean distclean
+.PHONY: venv dev system-deps test serve lint bench proto clean distclean
 
 venv: $(VENV)/.stamp-serve
 
@@ -29,25 +29,26 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 
-$(VENV)/.stamp-serve: pyproject.toml | $(PY)
+# The SDK (client/, its own distribution `brigade-client`) first: the router imports its
+# generated stubs, and pip then finds the root package's `brigade-client` dependency satisfied.
+$(VENV)/.stamp-serve: pyproject.toml client/pyproject.toml | $(PY)
 ifndef HAS_CUDA
 	$(PIP) install $(TORCH_CPU)
 endif
+	$(PIP) install -e ./client
 	$(PIP) install -e .
 	touch $@
 
 $(VENV)/.stamp-dev: $(VENV)/.stamp-serve
-	$(PIP) install -e '.[dev]'
+	$(PIP) install -e './client[dev]' -e '.[dev]'
 	touch $@
 
-# Debian packages the tests need. No systemd here: tests start redis-server themselves.
+# Debian packages the tests need. No systemd here: tests start redis-server themselves;
+# the gRPC TLS test makes its certificate with the openssl CLI.
 system-deps:
-	@command -v redis-server >/dev/null 2>&1 || { \
+	@command -v redis-server >/dev/null 2>&1 && command -v openssl >/dev/null 2>&1 || { \
 	    $(SUDO) apt-get update && \
-	    $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server; }
-	@command -v openssl >/dev/null 2>&1 || { \
-	    $(SUDO) apt-get update && \
-	    $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y openssl; }  # the TLS test's certificate
+	    $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server openssl; }
 
 test: dev
 	$(RAY_ENV) $(PY) -m pytest $(PYTEST_ARGS)
@@ -65,6 +66,10 @@ bench: dev
 	    echo "== $$f --quick"; \
 	    $(RAY_ENV) $(PY) $$f --quick || exit 1; \
 	done
+
+# Regenerate the committed gRPC stubs after editing client/proto/ (tests check they are fresh).
+proto: dev
+	$(PY) client/tools/gen_proto.py
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache

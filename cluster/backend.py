@@ -1,5 +1,7 @@
-"""The HTTP front door's backend for the cluster: checks requests in the driver, streams them
-through the RouterActor.
+"""The front doors' backend for the cluster: checks requests in the driver, streams them
+through the RouterActor. The HTTP server's handler threads use the blocking generate() and
+health(); the gRPC server's event loop uses agenerate() and ahealth(), which await Ray's
+ObjectRefs on that loop instead of blocking it.
 
 Tokenizing and validating need only the checkpoint's tokenizer.json and config.json (no
 weights, no engine), so a bad request is refused here with the engine's own message
@@ -8,10 +10,11 @@ pool size is the smallest any worker reported at start.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -21,7 +24,7 @@ from engine.engine_setup import context_length, model_id_for
 from engine.llm_engine import check_request
 from engine.model_config import ModelConfig
 from engine.presets import resolve_model
-from engine.sampling import SamplingParams
+from engine.sampling import InvalidRequest, SamplingParams
 from engine.tokenizer import Tokenizer, chat_token_ids, prompt_token_ids
 from router.types import Chunk, GenerateRequest, NoWorker
 
@@ -58,11 +61,16 @@ class ClusterBackend:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return prompt_token_ids(self.tokenizer, prompt)
 
-    def detokenize(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=False) if self.tokenizer else ""
-
     def chat_token_ids(self, messages: list[dict]) -> list[int]:
         return chat_token_ids(self.tokenizer, messages)
+
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self.tokenizer is None:
+            raise InvalidRequest("token_ids", "this model has no tokenizer.json")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest("token_ids", f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         check_request(token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
@@ -83,11 +91,37 @@ class ClusterBackend:
             if not finished:  # the client left, or the stream failed: free the request's KV
                 self._abort(request_id, stream)
 
+    async def agenerate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
+        """generate() for an event loop, with the request's salt, session and priority. Leaving
+        early (aclose(), or the task cancelled) aborts the request and frees its KV."""
+        stream = self.router.generate.remote(req)
+        finished = False
+        try:
+            async for ref in stream:
+                chunk = await _aget(ref)
+                finished = chunk.finished
+                yield chunk
+                if finished:
+                    return
+        finally:
+            if not finished:  # shielded: a second cancellation must not stop the abort half-way
+                await asyncio.shield(self._aabort(req.request_id, stream))
+
     def health(self) -> tuple[bool, dict]:
         try:
             status = ray.get(self.router.status.remote(), timeout=STATUS_TIMEOUT_S)
         except (RayActorError, GetTimeoutError) as exc:
             return False, {"reason": f"the router does not answer: {type(exc).__name__}"}
+        return self._health(status)
+
+    async def ahealth(self) -> tuple[bool, dict]:
+        try:
+            status = await asyncio.wait_for(self.router.status.remote(), STATUS_TIMEOUT_S)
+        except (RayActorError, asyncio.TimeoutError) as exc:
+            return False, {"reason": f"the router does not answer: {type(exc).__name__}"}
+        return self._health(status)
+
+    def _health(self, status: dict) -> tuple[bool, dict]:
         live = Counter(w["role"] for w in status["workers"].values() if w["healthy"])
         details = {"workers": {role: live[role] for role in self.roles},
                    "running": status["running"], "waiting": status["waiting"]}
@@ -120,6 +154,40 @@ class ClusterBackend:
             log.debug("aborted stream %s ended with %r", request_id, exc)
             return
         ray.cancel(stream)
+
+    async def _aabort(self, request_id: str, stream) -> None:
+        """_abort() on the event loop."""
+        try:
+            aborted = await asyncio.wait_for(self.router.abort.remote(request_id), STATUS_TIMEOUT_S)
+        except Exception as exc:
+            log.warning("abort of %s failed: %s", request_id, exc)
+            aborted = False
+        if aborted:
+            try:
+                await asyncio.wait_for(_drain_async(stream), ABORT_DRAIN_S)
+                return
+            except Exception as exc:  # timed out, or the stream failed: nothing more to read
+                log.debug("aborted stream %s ended with %r", request_id, exc)
+        ray.cancel(stream)
+
+
+async def _drain_async(stream) -> None:
+    async for ref in stream:
+        if (await ref).finished:
+            return
+
+
+async def _aget(ref) -> Chunk:
+    """_get() awaited."""
+    try:
+        return await ref
+    except RayTaskError as exc:
+        cause = exc.cause
+        if isinstance(cause, RayActorError):
+            raise NoWorker(f"a worker died mid-request ({type(cause).__name__}); retry") from None
+        raise cause from None
+    except RayActorError as exc:
+        raise NoWorker(f"the router is down: {type(exc).__name__}; retry shortly") from None
 
 
 def _get(ref) -> Chunk:

@@ -188,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     h = srv.add_argument_group("network")
     h.add_argument("--host", help="address to listen on (default 127.0.0.1); one address, never a wildcard")
     h.add_argument("--http-port", type=int, metavar="P", help="default 8000; 0 picks a free one")
-    h.add_argument("--grpc-port", type=int, metavar="P", help="the gRPC API's port (not built yet: leave unset)")
+    h.add_argument("--grpc-port", type=int, metavar="P", help="the gRPC API's port (default 50051; 0 picks a free one; "
+                   "grpc_port: null in --config turns it off)")
     srv.set_defaults(run="cluster.serve", make_config=cluster_config)
 
     from loadtest.cli import add_parser as add_bench_parser

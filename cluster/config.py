@@ -38,7 +38,7 @@ class ClusterConfig(_Frozen):
     redis_url: str | None = None
     host: str = "127.0.0.1"
     http_port: int = Field(8000, ge=0, le=65535)
-    grpc_port: int | None = Field(None, ge=0, le=65535)
+    grpc_port: int | None = Field(50051, ge=0, le=65535)  # None: no gRPC front door
     num_cpus: float | None = Field(None, gt=0)  # CPU cores the workers share; default: all
     engine: WorkerEngine = WorkerEngine()
     router: RouterConfig = RouterConfig()
@@ -51,8 +51,6 @@ class ClusterConfig(_Frozen):
             raise ValueError("disaggregated mode needs at least one prefill worker (--prefill >= 1)")
         if self.host in ("0.0.0.0", "::", ""):
             raise ValueError("host must be a specific address (e.g. 127.0.0.1 or the pod IP), not a wildcard")
-        if self.grpc_port is not None:
-            raise ValueError("the gRPC front door is not built yet; leave grpc_port unset and use --http-port")
         return self
 
     @property

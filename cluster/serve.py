@@ -1,12 +1,12 @@
-"""`brigade serve`: the cluster (router + prefill/decode Ray actors) behind the HTTP API.
+"""`brigade serve`: the cluster (router + prefill/decode Ray actors) behind the HTTP and gRPC APIs.
 
 Start-up runs in the order that makes the cheap failures come first: the config (checked by
-the CLI before this runs), the HTTP port, the model's config.json and tokenizer, Redis
-(an embedded redis-server on 127.0.0.1 unless --redis-url), Ray and the actors, then each
-worker's registration (a lease in Redis, kept alive from this process for now). Then it
-serves until SIGINT or SIGTERM, and drains: /health answers 503, the listener closes,
-requests in flight get DRAIN_S to finish, and everything started here stops in reverse
-order. Exit code 0.
+the CLI before this runs), the HTTP and gRPC ports (and the auth tokens), the model's
+config.json and tokenizer, Redis (an embedded redis-server on 127.0.0.1 unless --redis-url),
+Ray and the actors, then each worker's registration (a lease in Redis, kept alive from this
+process for now). Then it serves until SIGINT or SIGTERM, and drains: /health answers 503 and
+gRPC health NOT_SERVING, new requests are refused, requests in flight (on both doors at once)
+get DRAIN_S to finish, and everything started here stops in reverse order. Exit code 0.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import yaml
 from cluster.cli import UsageError
 from cluster.config import ClusterConfig
 from router.auth import Authenticator, AuthSetupError
+from router.grpc_server import GrpcServer
 from router.http_api import ApiServer, TLSSetupError
 from router.metrics import FrontDoorMetrics
 
@@ -56,6 +57,11 @@ def run(args, cfg: ClusterConfig) -> int:
     except OSError as exc:
         raise UsageError(f"cannot listen on {cfg.host}:{cfg.http_port}: {exc.strerror or exc}; "
                          "pick another --http-port or --host") from None
+    try:
+        grpc_server = _grpc_server(cfg, metrics, auth)
+    except BaseException:
+        server.server_close()
+        raise
 
     signals = _Signals().install()
     services = _Services()
@@ -68,22 +74,51 @@ def run(args, cfg: ClusterConfig) -> int:
             stopping = True
             return 0
         server.backend = services.backend
+        if grpc_server is not None:
+            grpc_server.attach(services.backend)
         signals.starting = False
         threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
         workers = (f"{cfg.decode} mixed" if cfg.mode == "colocated"
                    else f"{cfg.num_prefill} prefill, {cfg.decode} decode")
-        print(f"Brigade serving {cfg.model} at {server.url}/v1 ({workers}, {cfg.mode})", flush=True)
+        grpc_at = f" and grpc://{grpc_server.address}" if grpc_server is not None else ""
+        print(f"Brigade serving {cfg.model} at {server.url}/v1{grpc_at} ({workers}, {cfg.mode})", flush=True)
         while not signals.stop.wait(0.5):
             pass
         stopping = True
+        grpc_drained = grpc_server.begin_drain(DRAIN_S) if grpc_server is not None else None
         _drain(server)
+        if grpc_drained is not None and not _finished(grpc_drained, DRAIN_S + 10):
+            print(f"{grpc_server.in_flight} gRPC request(s) still running after {DRAIN_S:g} s: stopping anyway",
+                  file=sys.stderr, flush=True)
         return 0
     finally:
         signals.starting = False  # a signal from here on only sets `stop`
+        if grpc_server is not None:
+            grpc_server.close()
         server.server_close()
         services.stop()
         if stopping:
             print("stopped", file=sys.stderr, flush=True)
+
+
+def _finished(drained, timeout_s: float) -> bool:
+    """The gRPC drain's result: True if every request in flight finished in time."""
+    try:
+        return bool(drained.result(timeout_s))
+    except Exception as exc:  # a drain that failed or hung: stopping goes on regardless
+        print(f"gRPC drain: {exc!r}", file=sys.stderr, flush=True)
+        return False
+
+
+def _grpc_server(cfg: ClusterConfig, metrics: FrontDoorMetrics, auth: Authenticator) -> GrpcServer | None:
+    """Listening (answering "starting" until the backend is attached), or None with grpc_port null."""
+    if cfg.grpc_port is None:
+        return None
+    try:
+        return GrpcServer(cfg.host, cfg.grpc_port, cfg.frontdoor, metrics, auth)
+    except OSError as exc:
+        raise UsageError(f"cannot listen for gRPC on {cfg.host}:{cfg.grpc_port}: {exc.strerror or exc}; "
+                         "pick another --grpc-port or --host") from None
 
 
 class _Signals:

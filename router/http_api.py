@@ -61,8 +61,8 @@ class Backend(Protocol):
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Token ids for a prompt; InvalidRequest (field "prompt") if it cannot be tokenized."""
 
-    def detokenize(self, token_ids: list[int]) -> str:
-        """Text for token ids (special tokens included): logprobs name each token this way."""
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text for token ids; InvalidRequest (field "token_ids") for ids outside the vocabulary."""
 
     def chat_token_ids(self, messages: list[dict]) -> list[int]:
         """Messages through the chat template; InvalidRequest (field "messages") if malformed."""

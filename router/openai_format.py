@@ -194,7 +194,7 @@ class CompletionShape:
                 "text_offset": offsets}
 
     def _text(self, token_id: int) -> str:
-        return self.backend.detokenize([token_id])
+        return self.backend.detokenize([token_id], skip_special_tokens=False)  # logprobs name every token
 
 
 class ChatShape(CompletionShape):

@@ -51,7 +51,7 @@ class FakeBackend:
     def tokenize(self, prompt):
         return [ord(c) % LIMITS.vocab_size for c in prompt] if isinstance(prompt, str) else prompt
 
-    def detokenize(self, token_ids):
+    def detokenize(self, token_ids, skip_special_tokens=True):
         return "".join(chr(ord("a") + t % 26) for t in token_ids)
 
     def chat_token_ids(self, messages):

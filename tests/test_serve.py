@@ -29,7 +29,7 @@ from cluster import cli
 from cluster.config import ClusterConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVE = [sys.executable, "-m", "cluster.cli", "serve", "--http-port", "0", "--num-blocks", "256"]
+SERVE = [sys.executable, "-m", "cluster.cli", "serve", "--http-port", "0", "--grpc-port", "0", "--num-blocks", "256"]
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 TEXT = {"prompt": "hello world", "max_tokens": 8, "temperature": 0}
 IDS = {"prompt": [1, 2, 3], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
@@ -129,9 +129,20 @@ def test_prints_the_resolved_config_then_the_ready_line(server: Server) -> None:
     import yaml
 
     printed = ClusterConfig.model_validate(yaml.safe_load("".join(server.out[1:-1])))
-    assert printed == ClusterConfig(http_port=0, engine={"num_blocks": 256})
+    assert printed == ClusterConfig(http_port=0, grpc_port=0, engine={"num_blocks": 256})
     assert server.out[-1].startswith("Brigade serving tiny at http://127.0.0.1:")
-    assert server.out[-1].rstrip().endswith("/v1 (1 prefill, 1 decode, disaggregated)")
+    assert " and grpc://127.0.0.1:" in server.out[-1]
+    assert server.out[-1].rstrip().endswith(" (1 prefill, 1 decode, disaggregated)")
+
+
+def test_the_grpc_door_serves_the_same_tokens(server: Server, reference) -> None:
+    from brigade_client import Client
+
+    target = server.out[-1].split("grpc://")[1].split()[0]
+    with Client(target, timeout=60) as client:
+        assert client.health() == "SERVING"
+        done = client.generate(TEXT["prompt"], max_tokens=8, temperature=0)
+        assert done.token_ids == reference["text"] and done.finish_reason == "length"
 
 
 def test_completions_match_the_single_process_engine(server: Server, reference) -> None:
@@ -270,7 +281,7 @@ BAD_SERVE = {
     "no decode": (["--decode", "0"], None, "--decode: Input should be greater than or equal to 1"),
     "no prefill": (["--prefill", "0"], None, "disaggregated mode needs at least one prefill worker"),
     "wildcard host": (["--host", "0.0.0.0"], None, "not a wildcard"),
-    "grpc": (["--grpc-port", "50051"], None, "gRPC front door is not built yet"),
+    "grpc port": (["--grpc-port", "70000"], None, "--grpc-port: Input should be less than or equal to 65535"),
     "not a number": (["--prefill", "two"], None, "argument --prefill: invalid int value"),
 }
 
@@ -298,7 +309,7 @@ def test_a_bad_flag_in_a_real_process_exits_2() -> None:
 
 def test_a_bad_model_fails_before_anything_starts(capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["serve", "--model", "no-such-preset", "--http-port", "0"])
+        cli.main(["serve", "--model", "no-such-preset", "--http-port", "0", "--grpc-port", "0"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1
     assert err.startswith("error: model 'no-such-preset' is neither a preset")
@@ -345,6 +356,19 @@ def test_bad_frontdoor_setup_fails_before_anything_starts(name: str, tmp_path: P
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1
     assert err.startswith(expected), err
+
+
+def test_a_taken_grpc_port_fails_before_anything_starts(capsys) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["serve", "--http-port", "0", "--grpc-port", str(port)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot listen for gRPC on 127.0.0.1:{port}: the port is in use") and \
+        err.endswith("pick another --grpc-port or --host\n")
 
 
 # -- the HTTP front door over a stand-in backend (no Ray, no model) -----------------------------
