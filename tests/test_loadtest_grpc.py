@@ -2,8 +2,7 @@
 
 First against a stand-in Brigade gRPC service in this process (the SDK's generated stubs; it
 streams one token a chunk and can refuse a request), then against a real `brigade serve
---grpc-port 0`. Needs the SDK (client/, issue 5): until that is merged into this branch the module
-is skipped with that reason, never silently.
+--grpc-port 0`.
 """
 from __future__ import annotations
 
@@ -18,14 +17,12 @@ from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 
+import grpc
 import pytest
+from brigade_client.v1 import brigade_pb2 as pb
+from brigade_client.v1 import brigade_pb2_grpc
 
-pytest.importorskip("brigade_client", reason="brigade-client SDK (client/, issue 5) is not in this branch yet")
-import grpc  # noqa: E402
-from brigade_client.v1 import brigade_pb2 as pb  # noqa: E402
-from brigade_client.v1 import brigade_pb2_grpc  # noqa: E402
-
-from cluster import cli  # noqa: E402
+from cluster import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
@@ -85,7 +82,6 @@ def test_multi_turn_through_the_sdk_against_a_stand_in(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def grpc_target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    pytest.importorskip("router.grpc_server", reason="the gRPC front door (issue 5) is not in this branch yet")
     from engine.presets import materialize
 
     materialize("tiny")
