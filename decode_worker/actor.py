@@ -48,7 +48,7 @@ class DecodeActor:
                 timing.transfer_s, timing.transfer_bytes = secs, nbytes
                 await asyncio.wrap_future(self.worker.start(
                     req.request_id, req.prompt_token_ids, first.first_token_id, req.params,
-                    first.usage.cached_tokens, first.first_logprobs, stream.sink))
+                    first.usage.cached_tokens, first.first_logprobs, stream.sink, req.cache_salt))
                 yield Chunk(req.request_id, [first.first_token_id], first.text, timing=timing,
                             logprobs=[first.first_logprobs] if first.first_logprobs else None)
             except Exception as exc:

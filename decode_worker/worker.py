@@ -126,21 +126,23 @@ class DecodeWorker:
         return payload_view(buf, header)
 
     def start(self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams,
-              cached_tokens: int, first_logprobs: TokenLogprobs | None, sink: Sink) -> Future[None]:
+              cached_tokens: int, first_logprobs: TokenLogprobs | None, sink: Sink,
+              cache_salt: str | None = None) -> Future[None]:
         """Admit a request whose KV is in its reserved blocks; its outputs go to `sink`."""
         def admit(engine: LLMEngine) -> None:
             self.reserved.pop(request_id, None)  # the engine's sequence owns the blocks from here
             self.reserved_at.pop(request_id, None)
             self.loop.watch_now(request_id, sink)
             try:
-                engine.admit(request_id, prompt_token_ids, first_token_id, params, cached_tokens, first_logprobs)
+                engine.admit(request_id, prompt_token_ids, first_token_id, params, cached_tokens, first_logprobs,
+                             cache_salt)
             except BaseException:
                 self.loop.unwatch_now(request_id)
                 raise
         return self.loop.call(admit)
 
     def generate_local(self, req: GenerateRequest, sink: Sink) -> Future[None]:
-        return self.loop.add_request(req.request_id, req.prompt_token_ids, req.params, sink)
+        return self.loop.add_request(req.request_id, req.prompt_token_ids, req.params, sink, req.cache_salt)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Free the request's blocks, wherever it is; its final ("abort") output, or None when
