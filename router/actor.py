@@ -5,15 +5,17 @@ from collections.abc import AsyncIterator
 
 import ray
 
-from router.config import RouterConfig
+from router.config import IndexLink, RouterConfig
+from router.index_view import IndexView
 from router.router import Router
 from router.types import Chunk, GenerateRequest
 
 
 @ray.remote
 class RouterActor:
-    def __init__(self, cfg: RouterConfig, colocated: bool):
-        self.router = Router(cfg, colocated)
+    def __init__(self, cfg: RouterConfig, colocated: bool, index: IndexLink | None = None):
+        view = IndexView(index.redis_url, index.index, cfg.index_timeout_s) if index is not None else None
+        self.router = Router(cfg, colocated, view)
 
     async def add_worker(self, role: str, worker_id: str, handle) -> None:
         await self.router.add_worker(role, worker_id, handle)

@@ -35,6 +35,13 @@ class IndexConfig(_Frozen):
     publish_interval_s: float = Field(0.05, gt=0)  # how often a worker sends its batched cache events
 
 
+class IndexLink(_Frozen):
+    """What a worker or router needs to reach the index: the Redis URL (password and all) and its settings."""
+
+    redis_url: str
+    index: IndexConfig = IndexConfig()
+
+
 class AuthConfig(_Frozen):
     """Bearer tokens for both front doors (router/auth.py). Auth is on when either is set."""
 

@@ -25,7 +25,7 @@ import redis
 
 from cluster.registry import WorkerRegistry, connect
 from engine.cache_events import CacheEvent
-from router.config import IndexConfig
+from router.config import IndexConfig, IndexLink
 from router.prefix_index import TIER_BITS, IndexKeys, encode
 
 log = logging.getLogger(__name__)
@@ -148,3 +148,22 @@ class IndexPublisher:
             except redis.RedisError as exc:  # it expires on its own
                 log.warning("%s: could not end the lease: %s", self.worker_id, exc)
         self.redis.close()
+
+
+def worker_publisher(link: IndexLink, worker_id: str, role: str, loop, publish_events: bool) -> IndexPublisher:
+    """Start a worker's lease, and its cache events' publication when `publish_events`
+    (prefill and mixed workers; a decode worker's cache serves no routing decision).
+    `loop` is the worker's EngineLoop, built with cache.record_events on when publishing."""
+    if publish_events:
+        take = lambda: loop.call(lambda e: e.take_cache_events()).result(timeout=30)  # noqa: E731
+    else:
+        take = list
+    engine = loop.engine
+    return IndexPublisher(link.index, link.redis_url, worker_id, role, engine.model_id, take,
+                          info={"block_size": engine.block_size}).start()
+
+
+def with_events(engine_cfg, on: bool):
+    """The engine config with its cache event log switched on when the worker publishes them."""
+    return engine_cfg.model_copy(update={"cache": engine_cfg.cache.model_copy(update={"record_events": True})}) \
+        if on else engine_cfg
