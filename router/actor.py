@@ -27,6 +27,10 @@ class RouterActor:
     async def abort(self, request_id: str) -> bool:
         return await self.router.abort(request_id)
 
+    async def set_policy(self, policy: str) -> None:
+        """Switch the routing policy at run time (benchmarks compare policies on the same workers)."""
+        self.router.cfg = RouterConfig.model_validate({**self.router.cfg.model_dump(), "policy": policy})
+
     async def status(self) -> dict:
         return self.router.status()
 
