@@ -14,7 +14,8 @@ from router.types import Chunk, GenerateRequest
 @ray.remote
 class RouterActor:
     def __init__(self, cfg: RouterConfig, colocated: bool, index: IndexLink | None = None):
-        view = IndexView(index.redis_url, index.index, cfg.index_timeout_s) if index is not None else None
+        view = (IndexView(index.redis_url, index.index, cfg.index_timeout_s, cfg.recent_route_ttl_s)
+                if index is not None else None)
         self.router = Router(cfg, colocated, view)
 
     async def add_worker(self, role: str, worker_id: str, handle) -> None:

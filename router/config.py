@@ -25,6 +25,8 @@ class RouterConfig(_Frozen):
     host_load_cost: float = Field(0.1, ge=0)
     disk_load_cost: float = Field(0.3, ge=0)
     index_timeout_s: float = Field(0.5, gt=0)  # a prefix query slower than this counts as Redis down
+    # A prompt routed to a worker counts as cached there for this long, before its events arrive.
+    recent_route_ttl_s: float = Field(5.0, ge=0)
 
 
 class IndexConfig(_Frozen):

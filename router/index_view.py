@@ -10,7 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import replace
 
 import redis
 
@@ -23,8 +26,9 @@ log = logging.getLogger(__name__)
 
 
 class IndexView:
-    def __init__(self, redis_url: str, cfg: IndexConfig, timeout_s: float):
+    def __init__(self, redis_url: str, cfg: IndexConfig, timeout_s: float, recent_s: float = 5.0):
         self.cfg = cfg
+        self.recent = RecentRoutes(recent_s)
         self.client = redis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=timeout_s,
                                            socket_connect_timeout=timeout_s)
         self.index: PrefixIndex | None = None  # per model id, made once the workers told us theirs
@@ -53,18 +57,23 @@ class IndexView:
         usable = max(0, len(prompt) - 1) // self.block_size * self.block_size  # the last token is always computed
         return chain_hashes(prompt[:usable], self.block_size, self.model_id, parent=salted_root(cache_salt))
 
-    async def hits(self, prompt: Sequence[int], cache_salt: str | None, worker_ids: Sequence[str]
-                   ) -> dict[str, PrefixHit] | None:
-        """Each live worker's leading cached blocks of the prompt; None while the index is unusable."""
+    async def hits(self, hashes: list[bytes], worker_ids: Sequence[str]) -> dict[str, PrefixHit] | None:
+        """Each live worker's leading cached blocks (`hashes` from hashes()); None while the index
+        is unusable. Blocks this router sent to a worker moments ago count as held there on
+        device (their events may not be published yet)."""
         if not self.available or self.index is None:
             return None
         live = {w: self.live[w] for w in worker_ids if w in self.live}
         try:
-            hits = await asyncio.to_thread(self.index.query, self.hashes(prompt, cache_salt), live)
+            hits = await asyncio.to_thread(self.index.query, hashes, live)
         except redis.RedisError as exc:
             self._down(exc)
             return None
         self.queries += 1
+        for w in live:
+            soon = self.recent.leading(hashes, w)
+            if soon > hits[w].blocks:
+                hits[w] = replace(hits[w], blocks=soon, device=hits[w].device + soon - hits[w].blocks)
         return hits
 
     async def refresh(self) -> None:
@@ -76,7 +85,7 @@ class IndexView:
         except redis.RedisError as exc:
             self._down(exc)
             return
-        if not self.available:
+        if not self.available and self.error != "not checked yet":
             log.warning("prefix index: Redis reachable again; KV-aware routing resumes")
         self.available, self.error = True, None
 
@@ -91,3 +100,38 @@ class IndexView:
 
     def close(self) -> None:
         self.client.close()
+
+
+class RecentRoutes:
+    """Prompts this router sent to each worker in the last `ttl_s` seconds: follow-ups that
+    arrive before the worker published its new blocks still find them (an optimistic hint,
+    like the index itself)."""
+
+    def __init__(self, ttl_s: float):
+        self.ttl_s = ttl_s
+        self.holders: dict[bytes, dict[str, float]] = {}  # block hash -> worker id -> expiry
+        self._expiries: deque[tuple[float, bytes, str]] = deque()
+
+    def note(self, hashes: Sequence[bytes], worker_id: str) -> None:
+        now = time.monotonic()
+        self._prune(now)
+        for h in hashes:
+            self.holders.setdefault(h, {})[worker_id] = now + self.ttl_s
+            self._expiries.append((now + self.ttl_s, h, worker_id))
+
+    def leading(self, hashes: Sequence[bytes], worker_id: str) -> int:
+        now, n = time.monotonic(), 0
+        for h in hashes:
+            if self.holders.get(h, {}).get(worker_id, 0.0) <= now:
+                break
+            n += 1
+        return n
+
+    def _prune(self, now: float) -> None:
+        while self._expiries and self._expiries[0][0] <= now:
+            _, h, w = self._expiries.popleft()
+            holders = self.holders.get(h)
+            if holders is not None and holders.get(w, now + 1) <= now:
+                del holders[w]
+                if not holders:
+                    del self.holders[h]

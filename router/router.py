@@ -94,10 +94,12 @@ class Router:
         pool, n = self._pool(role), len(req.prompt_token_ids)
         hits = None
         if self.cfg.policy == "kv_aware" and self.index is not None:
-            hits = await self.index.hits(req.prompt_token_ids, req.cache_salt, [w.worker_id for w in pool])
+            hashes = self.index.hashes(req.prompt_token_ids, req.cache_salt)
+            hits = await self.index.hits(hashes, [w.worker_id for w in pool])
             pool = self._pool(role)  # health may have changed while we asked
         if hits is not None:
             w = policy.pick_kv_aware(pool, hits, n, self.index.block_size, self.cfg)
+            self.index.recent.note(hashes, w.worker_id)
             return w, n - policy.cached_tokens(hits.get(w.worker_id, policy.PrefixHit()), n, self.index.block_size)
         return self._pick_by_load(role, pool), n
 
