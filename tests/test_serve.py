@@ -245,6 +245,8 @@ def test_config_file_then_flags(tmp_path: Path) -> None:
     assert cfg.router.max_waiting == 7
     assert _serve_config() == ClusterConfig()  # no file, no flags: the defaults
     assert _serve_config("--mode", "colocated", "--decode", "2").num_prefill == 0
+    cfg = _serve_config("--policy", "round_robin", "--redis-prefix", "tenant-a")
+    assert (cfg.router.policy, cfg.index.key_prefix) == ("round_robin", "tenant-a")
 
 
 def test_the_example_config_lists_every_field_at_its_default() -> None:
@@ -272,6 +274,8 @@ BAD_SERVE = {
     "wildcard host": (["--host", "0.0.0.0"], None, "not a wildcard"),
     "grpc": (["--grpc-port", "50051"], None, "gRPC front door is not built yet"),
     "not a number": (["--prefill", "two"], None, "argument --prefill: invalid int value"),
+    "policy": (["--policy", "fastest"], None, "argument --policy: invalid choice"),
+    "redis prefix": (["--redis-prefix", "a b"], None, "--redis-prefix: String should match pattern"),
 }
 
 
