@@ -85,8 +85,10 @@ class ClusterBackend:
         except (RayActorError, GetTimeoutError) as exc:
             return False, {"reason": f"the router does not answer: {type(exc).__name__}"}
         live = Counter(w["role"] for w in status["workers"].values() if w["healthy"])
+        index = status["index"]  # Redis down only degrades routing: still healthy
         details = {"workers": {role: live[role] for role in self.roles},
-                   "running": status["running"], "waiting": status["waiting"]}
+                   "running": status["running"], "waiting": status["waiting"],
+                   "prefix_index": "ok" if index["available"] else f"unavailable ({index['error']})"}
         missing = [role for role in self.roles if not live[role]]
         if missing:
             details["reason"] = f"no live {' or '.join(missing)} worker"

@@ -36,7 +36,8 @@ class IndexPublisher:
     def __init__(self, cfg: IndexConfig, redis_url_or_client: str | redis.Redis, worker_id: str, role: str,
                  model_id: str, take_events: Callable[[], list[CacheEvent]], info: dict[str, Any] | None = None):
         r = redis_url_or_client
-        self.redis = connect(r) if isinstance(r, str) else r  # a bad URL or password fails the worker's start
+        # A refused password fails the worker's start; an unreachable Redis does not (it may come back).
+        self.redis = connect(r, must_answer=False) if isinstance(r, str) else r
         self.cfg, self.worker_id, self.role, self.take_events = cfg, worker_id, role, take_events
         self.info = {"model_id": model_id, **(info or {})}
         self.registry = WorkerRegistry(self.redis, prefix=cfg.key_prefix, ttl_s=cfg.lease_ttl_s)
@@ -52,22 +53,26 @@ class IndexPublisher:
         self._thread = threading.Thread(target=self._run, name=f"index-{worker_id}", daemon=True)
 
     def start(self) -> IndexPublisher:
-        self.step()  # registers now: a worker is routable only once its lease exists
+        self._step_logged()  # registers now: a worker is routable by its cache only once its lease exists
         self._thread.start()
         return self
 
     def _run(self) -> None:
         while not self._stop.wait(self.cfg.publish_interval_s):
             try:
-                self.step()
-            except redis.RedisError as exc:
-                if self.connected:
-                    log.warning("%s: Redis unreachable (%s); the index will be re-published when it returns",
-                                self.worker_id, exc)
-                self.connected = False
+                self._step_logged()
             except Exception:  # the engine died: the lease then expires on its own
                 log.exception("%s: index publisher stopped", self.worker_id)
                 return
+
+    def _step_logged(self) -> None:
+        try:
+            self.step()
+        except redis.RedisError as exc:
+            if self.connected:
+                log.warning("%s: Redis unreachable (%s); the index will be re-published when it returns",
+                            self.worker_id, exc)
+            self.connected = False
 
     def step(self) -> None:
         """One round: take events, keep the lease, write a batch. Raises redis errors."""
@@ -165,5 +170,6 @@ def worker_publisher(link: IndexLink, worker_id: str, role: str, loop, publish_e
 
 def with_events(engine_cfg, on: bool):
     """The engine config with its cache event log switched on when the worker publishes them."""
-    return engine_cfg.model_copy(update={"cache": engine_cfg.cache.model_copy(update={"record_events": True})}) \
-        if on else engine_cfg
+    if not on:
+        return engine_cfg
+    return engine_cfg.model_copy(update={"cache": engine_cfg.cache.model_copy(update={"record_events": True})})

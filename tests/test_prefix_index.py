@@ -206,3 +206,22 @@ def test_salted_chains_never_meet_in_the_index(server: EmbeddedRedis, cfg: Index
             assert index.query(other, index.live_epochs())["s0"] == PrefixHit()
     finally:
         pub.stop()
+
+
+def test_a_worker_started_while_redis_is_down_registers_when_it_returns(cfg: IndexConfig) -> None:
+    first = EmbeddedRedis().start()
+    first.stop()  # a port that is free now
+    srv = EmbeddedRedis(port=first.port)  # not started yet
+    pub, events = publisher(srv.url, cfg, "late")  # no error: the worker serves on without the index
+    events.pending.append(CacheEvent("stored", "device", tuple(chain_hashes(list(range(8)), 4, MODEL))))
+    pub.start()
+    try:
+        assert not pub.connected and pub.epoch is None
+        srv.start()
+        index = PrefixIndex(connect(srv.url), cfg.key_prefix, MODEL)
+        assert wait_until(lambda: index.query(chain_hashes(list(range(8)), 4, MODEL),
+                                              index.live_epochs()).get("late") == PrefixHit(2, 2, 0, 0))
+        assert pub.connected
+    finally:
+        pub.stop()
+        srv.stop()

@@ -136,7 +136,7 @@ def test_prints_the_resolved_config_then_the_ready_line(server: Server) -> None:
 
 def test_completions_match_the_single_process_engine(server: Server, reference) -> None:
     assert _request(f"{server.base}/health")[:2] == (200, {
-        "status": "ok", "workers": {"prefill": 1, "decode": 1}, "running": 0, "waiting": 0})
+        "status": "ok", "workers": {"prefill": 1, "decode": 1}, "running": 0, "waiting": 0, "prefix_index": "ok"})
     status, models, _ = _request(f"{server.base}/v1/models")
     assert status == 200 and models["data"][0]["id"] == "tiny"
 
