@@ -58,8 +58,8 @@ class Plan:
     index_queries: int
 
 
-FULL = Plan(sessions=320, duration_s=60.0, num_blocks=640, index_blocks=100_000, index_queries=2000)
-QUICK = Plan(sessions=40, duration_s=6.0, num_blocks=256, index_blocks=100_000, index_queries=500)
+FULL = Plan(sessions=160, duration_s=60.0, num_blocks=768, index_blocks=100_000, index_queries=2000)
+QUICK = Plan(sessions=40, duration_s=6.0, num_blocks=160, index_blocks=100_000, index_queries=500)
 
 
 @dataclass(frozen=True)

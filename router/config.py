@@ -21,6 +21,8 @@ class RouterConfig(_Frozen):
     # Load-balance guard: a prefill worker whose queued prefill tokens exceed the least loaded
     # worker's by more than this is not chosen, whatever it has cached.
     balance_slack_tokens: int = Field(8192, ge=0)
+    # A cached prefix shorter than this fraction of the prompt counts as no hit (see router/policy.py).
+    min_hit_fraction: float = Field(0.25, ge=0, le=1)
     # Loading one token's KV back from the host or disk tier, as a fraction of computing it.
     host_load_cost: float = Field(0.1, ge=0)
     disk_load_cost: float = Field(0.3, ge=0)

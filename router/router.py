@@ -31,6 +31,7 @@ class WorkerRef:
     handle: object  # ray.actor.ActorHandle
     inflight: int = 0
     queued_tokens: int = 0  # prompt tokens routed here whose prefill has not finished (kv_aware's queue)
+    routed: int = 0  # requests routed here so far (spreads new conversations over idle workers)
     free_blocks: int = 0  # from the last health check
     running: int = 0  # the engine's running batch, from the last health check
     healthy: bool = True
@@ -100,8 +101,11 @@ class Router:
         if hits is not None:
             w = policy.pick_kv_aware(pool, hits, n, self.index.block_size, self.cfg)
             self.index.recent.note(hashes, w.worker_id)
+            w.routed += 1
             return w, n - policy.cached_tokens(hits.get(w.worker_id, policy.PrefixHit()), n, self.index.block_size)
-        return self._pick_by_load(role, pool), n
+        w = self._pick_by_load(role, pool)
+        w.routed += 1
+        return w, n
 
     def _pick_decode(self, exclude: set[str], peer_of: WorkerRef) -> WorkerRef:
         pool = self._pool("decode", exclude, peer_of)

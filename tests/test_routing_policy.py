@@ -17,6 +17,7 @@ class W:
     worker_id: str
     inflight: int = 0
     queued_tokens: int = 0
+    routed: int = 0
 
 
 def test_the_worker_holding_the_prefix_wins_when_loads_are_close():
@@ -73,3 +74,11 @@ def test_recent_routes_count_until_they_expire():
     assert recent.leading(hs, "a") == 0
     recent.note(hs[:1], "b")  # prunes the expired entries
     assert set(recent.holders) == {hs[0]}
+
+
+def test_a_short_shared_prefix_does_not_pull_new_conversations_onto_one_worker():
+    pool = [W("a", routed=3), W("b", routed=1), W("c", routed=2)]
+    system_prompt_only = {"a": PrefixHit(1, 1, 0, 0)}  # 16 of 400 tokens: under min_hit_fraction
+    assert pick_kv_aware(pool, system_prompt_only, 400, BS, CFG).worker_id == "b"  # the least routed idle worker
+    follow_up = {"a": PrefixHit(10, 10, 0, 0)}  # 160 of 400: a real hit
+    assert pick_kv_aware(pool, follow_up, 400, BS, CFG).worker_id == "a"
