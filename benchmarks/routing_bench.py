@@ -199,17 +199,17 @@ def index_phase(plan: Plan, requests: list[Request]) -> dict:
         index = PrefixIndex(client, "bench", "tiny")
         workers = {f"prefill-{i}": 1 for i in range(4)}
         prompts = [chain_hashes(r.prompt, BLOCK, "tiny") for r in requests]
-        n = 0
+        indexed: set[bytes] = set()
         with client.pipeline(transaction=False) as p:
             for hashes in prompts:  # the trace's own chains, each held by 1-2 workers
                 for w in rng.sample(sorted(workers), rng.randint(1, 2)):
                     for h in hashes:
                         p.hset(index.keys.block(h), w, encode(1, 1))
-                n += len(hashes)
-            while n < plan.index_blocks:  # filler chains up to the target size
+                indexed.update(hashes)
+            while len(indexed) < plan.index_blocks:  # filler chains up to the target size
                 for h in chain_hashes([rng.randrange(VOCAB) for _ in range(BLOCK * 64)], BLOCK, "tiny"):
                     p.hset(index.keys.block(h), rng.choice(sorted(workers)), encode(1, 1 << rng.randrange(3)))
-                n += 64
+                    indexed.add(h)
             p.execute()
         keys = client.dbsize()
         for hashes in prompts[:50]:  # warm-up (script load, connections)
