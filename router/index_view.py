@@ -57,15 +57,20 @@ class IndexView:
         usable = max(0, len(prompt) - 1) // self.block_size * self.block_size  # the last token is always computed
         return chain_hashes(prompt[:usable], self.block_size, self.model_id, parent=salted_root(cache_salt))
 
-    async def hits(self, hashes: list[bytes], worker_ids: Sequence[str]) -> dict[str, PrefixHit] | None:
-        """Each live worker's leading cached blocks (`hashes` from hashes()); None while the index
-        is unusable. Blocks this router sent to a worker moments ago count as held there on
-        device (their events may not be published yet)."""
+    async def hits(self, prompt: Sequence[int], cache_salt: str | None, worker_ids: Sequence[str]
+                   ) -> tuple[list[bytes], dict[str, PrefixHit]] | None:
+        """The prompt's block hashes and each live worker's leading cached blocks of them; None
+        while the index is unusable. Blocks this router sent to a worker moments ago count as
+        held there on device (their events may not be published yet)."""
         if not self.available or self.index is None:
             return None
         live = {w: self.live[w] for w in worker_ids if w in self.live}
+
+        def ask() -> tuple[list[bytes], dict[str, PrefixHit]]:  # off the event loop: hashing a long prompt
+            hashes = self.hashes(prompt, cache_salt)               # takes a while too
+            return hashes, self.index.query(hashes, live)
         try:
-            hits = await asyncio.to_thread(self.index.query, hashes, live)
+            hashes, hits = await asyncio.to_thread(ask)
         except redis.RedisError as exc:
             self._down(exc)
             return None
@@ -74,7 +79,7 @@ class IndexView:
             soon = self.recent.leading(hashes, w)
             if soon > hits[w].blocks:
                 hits[w] = replace(hits[w], blocks=soon, device=hits[w].device + soon - hits[w].blocks)
-        return hits
+        return hashes, hits
 
     async def refresh(self) -> None:
         """Re-read the live leases (and notice Redis coming back)."""

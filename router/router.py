@@ -93,12 +93,12 @@ class Router:
     async def _pick_prefill(self, role: str, req: GenerateRequest) -> tuple[WorkerRef, int]:
         """The worker that computes the prompt, and the uncached tokens it is charged with."""
         pool, n = self._pool(role), len(req.prompt_token_ids)
-        hits = None
+        answer = None
         if self.cfg.policy == "kv_aware" and self.index is not None:
-            hashes = self.index.hashes(req.prompt_token_ids, req.cache_salt)
-            hits = await self.index.hits(hashes, [w.worker_id for w in pool])
+            answer = await self.index.hits(req.prompt_token_ids, req.cache_salt, [w.worker_id for w in pool])
             pool = self._pool(role)  # health may have changed while we asked
-        if hits is not None:
+        if answer is not None:
+            hashes, hits = answer
             w = policy.pick_kv_aware(pool, hits, n, self.index.block_size, self.cfg)
             self.index.recent.note(hashes, w.worker_id)
             w.routed += 1
