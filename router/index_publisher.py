@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import redis
@@ -159,13 +160,20 @@ def worker_publisher(link: IndexLink, worker_id: str, role: str, loop, publish_e
     """Start a worker's lease, and its cache events' publication when `publish_events`
     (prefill and mixed workers; a decode worker's cache serves no routing decision).
     `loop` is the worker's EngineLoop, built with cache.record_events on when publishing."""
-    if publish_events:
-        take = lambda: loop.call(lambda e: e.take_cache_events()).result(timeout=30)  # noqa: E731
-    else:
-        take = list
+    def take() -> list[CacheEvent]:
+        # No timeout that would drop the call: its events would be lost when it ran later. A
+        # long step only delays the batch (and the heartbeat: a stuck engine loses its lease).
+        taken = loop.call(lambda e: e.take_cache_events())
+        while True:
+            try:
+                return taken.result(timeout=1.0)
+            except FutureTimeout:
+                if not loop.alive:
+                    raise RuntimeError("the engine loop stopped") from None
+
     engine = loop.engine
-    return IndexPublisher(link.index, link.redis_url, worker_id, role, engine.model_id, take,
-                          info={"block_size": engine.block_size}).start()
+    return IndexPublisher(link.index, link.redis_url, worker_id, role, engine.model_id,
+                          take if publish_events else list, info={"block_size": engine.block_size}).start()
 
 
 def with_events(engine_cfg, on: bool):

@@ -225,3 +225,28 @@ def test_a_worker_started_while_redis_is_down_registers_when_it_returns(cfg: Ind
     finally:
         pub.stop()
         srv.stop()
+
+
+@pytest.mark.usefixtures("torch_single_thread")
+def test_a_plain_prefill_worker_publishes_its_engine_cache_and_ends_its_lease(server: EmbeddedRedis,
+                                                                              cfg: IndexConfig) -> None:
+    from engine import CacheConfig, EngineConfig, SamplingParams
+    from kv_transfer import TransferConfig
+    from prefill_worker import PrefillWorker
+    from router.config import IndexLink
+    from router.types import GenerateRequest
+
+    worker = PrefillWorker("pw", EngineConfig(model="tiny", num_threads=1, cache=CacheConfig(num_blocks=64)),
+                           TransferConfig(backend="gloo"), IndexLink(redis_url=server.url, index=cfg))
+    index = PrefixIndex(connect(server.url), cfg.key_prefix, MODEL)
+    prompt = list(range(3, 3 + 70))  # 4 full blocks of 16
+    try:
+        assert index.live_epochs() == {"pw": 1}
+        done = worker.prefill(GenerateRequest("r", prompt, SamplingParams(max_tokens=2))).result(timeout=60)
+        assert done.usage.prompt_tokens == 70
+        hashes = chain_hashes(prompt, 16, MODEL)
+        assert wait_until(lambda: index.query(hashes, index.live_epochs())["pw"] == PrefixHit(4, 4, 0, 0))
+        assert worker.health()["index"]["blocks"] == 4
+    finally:
+        worker.close()
+    assert "pw" not in index.live_epochs()  # a graceful stop ends the lease at once
