@@ -250,3 +250,57 @@ def test_a_plain_prefill_worker_publishes_its_engine_cache_and_ends_its_lease(se
     finally:
         worker.close()
     assert "pw" not in index.live_epochs()  # a graceful stop ends the lease at once
+
+
+@pytest.fixture
+def tls_redis(tmp_path):
+    """A real redis-server speaking TLS only, with a self-signed certificate for 127.0.0.1."""
+    import shutil
+    import socket
+    import subprocess
+
+    from cluster.redis_server import find_redis_server
+
+    openssl = shutil.which("openssl")
+    assert openssl, "openssl is needed to make the test certificate"
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([find_redis_server(), "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+                             "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert),
+                             "--tls-auth-clients", "no", "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={cert}"
+        assert wait_until(lambda: _answers(url)), "the TLS redis-server did not come up"
+        yield url, port
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return redis.Redis.from_url(url, socket_connect_timeout=0.5).ping()
+    except redis.RedisError:
+        return False
+
+
+def test_the_index_works_over_tls(tls_redis, cfg: IndexConfig) -> None:
+    url, port = tls_redis
+    hashes = chain_hashes(list(range(12)), 4, MODEL)
+    pub, events = publisher(url, cfg, "tls-w")
+    events.pending.append(CacheEvent("stored", "host", tuple(hashes)))
+    pub.start()
+    try:
+        index = PrefixIndex(connect(url), cfg.key_prefix, MODEL)
+        assert index.redis.connection_pool.connection_class is redis.connection.SSLConnection
+        assert wait_until(lambda: index.query(hashes, index.live_epochs()).get("tls-w") == PrefixHit(3, 0, 3, 0))
+    finally:
+        pub.stop()
+    with pytest.raises(RegistryError, match="cannot reach Redis"):  # plain text to a TLS port: refused, said so
+        connect(f"redis://127.0.0.1:{port}/0", socket_timeout=1.0)
