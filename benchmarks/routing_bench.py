@@ -14,7 +14,7 @@ gives per request an arrival time (ms), input and output lengths and the hash id
 - output: max_tokens=1 (TTFT is what routing changes; decode would only add noise).
 
 A real cluster (Ray, redis-server, 4 prefill workers + 1 decode worker, `tiny` preset) whose
-per-worker device pool (`Plan.num_blocks`: 768 blocks full, 160 quick) holds a fraction of
+per-worker device pool (`Plan.num_blocks`: 768 blocks full, 256 quick) holds a fraction of
 the replay's working set (about 5,000 distinct blocks full, 1,250 quick), so which worker a
 follow-up turn lands on decides whether its previous turns are still cached.
 After an unmeasured warm-up, the three policies run one after another on the same workers:
@@ -64,7 +64,7 @@ class Plan:
 
 
 FULL = Plan(sessions=160, duration_s=40.0, num_blocks=768, index_blocks=100_000, index_queries=2000)
-QUICK = Plan(sessions=40, duration_s=6.0, num_blocks=160, index_blocks=100_000, index_queries=500)
+QUICK = Plan(sessions=40, duration_s=6.0, num_blocks=256, index_blocks=100_000, index_queries=500)
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,8 @@ class Router:
         self.index = index
         self._round_robin = RoundRobin()
         self._rng = random.Random()
+        # kv_aware decisions: by the index, and how many went elsewhere than the longest hit (load won)
+        self.kv_picks = {"by_index": 0, "load_over_hit": 0}
         self.workers: dict[str, WorkerRef] = {}
         self.waiting = 0
         self.running = 0
@@ -100,6 +102,9 @@ class Router:
         if answer is not None:
             hashes, hits = answer
             w = policy.pick_kv_aware(pool, hits, n, self.index.block_size, self.cfg)
+            self.kv_picks["by_index"] += 1
+            best = max((hits.get(v.worker_id, policy.PrefixHit()).blocks for v in pool), default=0)
+            self.kv_picks["load_over_hit"] += hits.get(w.worker_id, policy.PrefixHit()).blocks < best
             self.index.recent.note(hashes, w.worker_id)
             w.routed += 1
             return w, n - policy.cached_tokens(hits.get(w.worker_id, policy.PrefixHit()), n, self.index.block_size)
@@ -267,7 +272,7 @@ class Router:
 
     def status(self) -> dict:
         return {"waiting": self.waiting, "running": self.running, "colocated": self.colocated,
-                "policy": self.cfg.policy,
+                "policy": self.cfg.policy, "kv_picks": dict(self.kv_picks),
                 "index": self.index.status() if self.index is not None else {"available": False, "error": "no Redis"},
                 "workers": {w.worker_id: {"role": w.role, "healthy": w.healthy, "inflight": w.inflight,
                                           "queued_tokens": w.queued_tokens} for w in self.workers.values()}}
