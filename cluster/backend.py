@@ -65,8 +65,9 @@ class ClusterBackend:
         check_request(token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
                       block_size=self.block_size, num_blocks=self.num_blocks)
 
-    def generate(self, request_id: str, token_ids: list[int], params: SamplingParams) -> Iterator[Chunk]:
-        stream = self.router.generate.remote(GenerateRequest(request_id, token_ids, params))
+    def generate(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                 cache_salt: str | None = None) -> Iterator[Chunk]:
+        stream = self.router.generate.remote(GenerateRequest(request_id, token_ids, params, cache_salt=cache_salt))
         finished = False
         try:
             for ref in stream:

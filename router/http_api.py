@@ -46,8 +46,10 @@ class Backend(Protocol):
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         """InvalidRequest naming the field if the request can never run."""
 
-    def generate(self, request_id: str, token_ids: list[int], params: SamplingParams) -> Iterator[Chunk]:
-        """The request's chunks, the last one `finished`. Admission errors (Overloaded,
+    def generate(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                 cache_salt: str | None = None) -> Iterator[Chunk]:
+        """The request's chunks, the last one `finished`. A `cache_salt` shares cached prefixes
+        only with requests of the same salt (a tenant's). Admission errors (Overloaded,
         NoWorker, InvalidRequest) come from the first next(). Closing the iterator before the
         last chunk aborts the request and frees its KV."""
 
@@ -182,13 +184,16 @@ class Handler(BaseHTTPRequestHandler):
         if not isinstance(prompt, str):
             prompt = token_ids(prompt, "prompt")
         params = sampling_params(body, SamplingParams(), SAMPLING_FIELDS)
+        salt = body.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ApiError(400, f"cache_salt must be a non-empty string, got {salt!r:.80}", "cache_salt")
         ids = backend.tokenize(prompt)
         backend.validate(ids, params)
 
         rid = f"cmpl-{uuid.uuid4().hex}"
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": backend.model_name}
         with_ids = body.get("return_token_ids") is True  # an extension (as in vLLM): the tokens, not only text
-        with closing(backend.generate(rid, ids, params)) as chunks:
+        with closing(backend.generate(rid, ids, params, cache_salt=salt)) as chunks:
             first = next(chunks)  # admission errors surface here, before any header is sent
             if not body.get("stream"):
                 return self._whole(head, first, chunks, with_ids)

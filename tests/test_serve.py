@@ -342,6 +342,7 @@ class FakeBackend:
         self.fail: Exception | None = None
         self.healthy = True
         self.closed: list[str] = []
+        self.salts: list[str | None] = []
 
     def tokenize(self, prompt):
         return [ord(c) for c in prompt] if isinstance(prompt, str) else prompt
@@ -349,10 +350,11 @@ class FakeBackend:
     def validate(self, token_ids, params) -> None:
         pass
 
-    def generate(self, request_id, token_ids, params):
+    def generate(self, request_id, token_ids, params, cache_salt=None):
         from engine.outputs import Usage
         from router.types import Chunk
 
+        self.salts.append(cache_salt)
         if self.fail is not None:
             raise self.fail
         try:
@@ -410,3 +412,14 @@ def test_front_door_maps_router_errors_to_retriable_statuses(fake_server) -> Non
     assert _request(f"{url}/health")[:2] == (503, {"status": "draining"})
     status, err, headers = _request(f"{url}/v1/completions", {"prompt": "hi"})
     assert status == 503 and headers.get("Retry-After") == "1" and "shutting down" in err["error"]["message"]
+
+
+def test_the_cache_salt_reaches_the_backend_and_a_bad_one_is_400(fake_server) -> None:
+    url, backend, _ = fake_server
+    status, _, _ = _request(f"{url}/v1/completions", {"prompt": "hi", "cache_salt": "tenant-a"})
+    status2, _, _ = _request(f"{url}/v1/completions", {"prompt": "hi"})
+    assert (status, status2) == (200, 200) and backend.salts == ["tenant-a", None]
+    for bad in ("", 7, ["x"]):
+        status, err, _ = _request(f"{url}/v1/completions", {"prompt": "hi", "cache_salt": bad})
+        assert (status, err["error"]["param"]) == (400, "cache_salt"), bad
+    assert backend.salts == ["tenant-a", None]  # refused before reaching it
