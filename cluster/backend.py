@@ -123,8 +123,10 @@ class ClusterBackend:
 
     def _health(self, status: dict) -> tuple[bool, dict]:
         live = Counter(w["role"] for w in status["workers"].values() if w["healthy"])
+        index = status["index"]  # Redis down only degrades routing: still healthy
         details = {"workers": {role: live[role] for role in self.roles},
-                   "running": status["running"], "waiting": status["waiting"]}
+                   "running": status["running"], "waiting": status["waiting"],
+                   "prefix_index": "ok" if index["available"] else f"unavailable ({index['error']})"}
         missing = [role for role in self.roles if not live[role]]
         if missing:
             details["reason"] = f"no live {' or '.join(missing)} worker"

@@ -62,6 +62,7 @@ SERVE_FLAGS = {
     ("engine", "dtype"): "--dtype", ("engine", "device"): "--device", ("engine", "block_size"): "--block-size",
     ("engine", "num_blocks"): "--num-blocks", ("engine", "max_num_batched_tokens"): "--max-num-batched-tokens",
     ("engine", "max_num_seqs"): "--max-num-seqs", ("engine", "max_model_len"): "--max-model-len",
+    ("router", "policy"): "--policy", ("index", "key_prefix"): "--redis-prefix",
 }
 CONFIG_FLAGS = {
     ("model",): "--model", ("dtype",): "--dtype", ("device",): "--device", ("seed",): "--seed",
@@ -178,8 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "between them; colocated: each worker runs whole requests")
     c.add_argument("--ray-address", metavar="ADDR", help="join this Ray cluster (default: start Ray locally)")
     c.add_argument("--redis-url", metavar="URL",
-                   help="Redis for worker registration, redis://[:PASSWORD@]HOST:PORT/DB "
+                   help="Redis for worker leases and the prefix index, redis[s]://[USER:PASSWORD@]HOST:PORT/DB "
                         "(default: an embedded redis-server on 127.0.0.1, stopped on exit)")
+    c.add_argument("--redis-prefix", metavar="PREFIX",
+                   help="every Redis key starts with PREFIX: (default brigade); an ACL user limited to "
+                        "~PREFIX:* is enough")
+    c.add_argument("--policy", choices=["kv_aware", "least_loaded", "round_robin", "random"],
+                   help="how the router picks workers (default kv_aware: lowest estimated TTFT from the "
+                        "prefix index; the others ignore the index)")
     c.add_argument("--num-cpus", type=float, metavar="C", help="CPU cores the workers share (default: all)")
     w = srv.add_argument_group("workers")
     w.add_argument("--max-num-seqs", type=int, metavar="N", help="requests a worker runs at once (default 128)")
@@ -226,6 +233,7 @@ def cluster_config(args: argparse.Namespace):
         "engine": {"dtype": args.dtype, "device": args.device, "block_size": args.block_size,
                    "num_blocks": args.num_blocks, "max_num_batched_tokens": args.max_num_batched_tokens,
                    "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len},
+        "router": {"policy": args.policy}, "index": {"key_prefix": args.redis_prefix},
     }
     try:
         return load_config(args.config, overrides)

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine import CacheConfig, EngineConfig, SchedulerConfig
 from kv_transfer import TransferConfig
-from router.config import FrontDoorConfig, RouterConfig
+from router.config import FrontDoorConfig, IndexConfig, RouterConfig
 
 
 class _Frozen(BaseModel):
@@ -42,6 +42,7 @@ class ClusterConfig(_Frozen):
     num_cpus: float | None = Field(None, gt=0)  # CPU cores the workers share; default: all
     engine: WorkerEngine = WorkerEngine()
     router: RouterConfig = RouterConfig()
+    index: IndexConfig = IndexConfig()
     frontdoor: FrontDoorConfig = FrontDoorConfig()
     transfer: TransferConfig = TransferConfig()
 

@@ -13,6 +13,7 @@ from decode_worker.actor import DecodeActor
 from engine import Role
 from prefill_worker.actor import PrefillActor
 from router.actor import RouterActor
+from router.config import IndexLink
 
 log = logging.getLogger(__name__)
 NAMESPACE = "brigade"
@@ -84,6 +85,7 @@ def placements(cfg: ClusterConfig, num_workers: int) -> Placement:
 class Cluster:
     cfg: ClusterConfig
     router: object
+    index: IndexLink | None = None  # the prefix index and leases in Redis; None: routing by load only
     workers: dict[str, object] = field(default_factory=dict)  # worker id -> actor handle
 
     def add_worker(self, role: str) -> str:
@@ -94,10 +96,10 @@ class Cluster:
         worker_id = f"{role}-{sum(w.startswith(role + '-') for w in self.workers)}"
         opts = {**place.options, "name": worker_id, "max_concurrency": 1000}
         if role == "prefill":
-            handle = PrefillActor.options(**opts).remote(worker_id, engine_cfg, cfg.transfer)
+            handle = PrefillActor.options(**opts).remote(worker_id, engine_cfg, cfg.transfer, self.index)
         else:
             engine_role = Role.MIXED if role == "mixed" else Role.DECODE
-            handle = DecodeActor.options(**opts).remote(worker_id, engine_cfg, cfg.transfer, engine_role)
+            handle = DecodeActor.options(**opts).remote(worker_id, engine_cfg, cfg.transfer, engine_role, self.index)
         ray.get(handle.health.remote())  # surfaces a failed start (bad model path, ...) here
         ray.get(self.router.add_worker.remote(role, worker_id, handle))
         self.workers[worker_id] = handle
@@ -117,10 +119,15 @@ class Cluster:
         self.workers.clear()
 
 
-def launch(cfg: ClusterConfig) -> Cluster:
+def launch(cfg: ClusterConfig, redis_url: str | None = None) -> Cluster:
+    """The router and the workers; with `redis_url` (default: cfg.redis_url) each worker keeps
+    its own lease and publishes its cache events there, and the router routes by the index."""
     start_ray(cfg)
-    router = RouterActor.options(num_cpus=0, max_concurrency=10_000).remote(cfg.router, cfg.mode == "colocated")
-    cluster = Cluster(cfg, router)
+    url = redis_url or cfg.redis_url
+    index = IndexLink(redis_url=url, index=cfg.index) if url else None
+    router = RouterActor.options(num_cpus=0, max_concurrency=10_000).remote(cfg.router, cfg.mode == "colocated",
+                                                                              index)
+    cluster = Cluster(cfg, router, index=index)
     roles = ["prefill"] * cfg.num_prefill + (["mixed"] if cfg.mode == "colocated" else ["decode"]) * cfg.decode
     for role in roles:
         cluster.add_worker(role)

@@ -73,11 +73,13 @@ class EmbeddedRedis:
     owner forgets to (or the interpreter exits), so tests cannot leak servers.
     """
 
-    def __init__(self, password: str | None = None, binary: str | None = None, stop_timeout_s: float = 5.0):
+    def __init__(self, password: str | None = None, binary: str | None = None, stop_timeout_s: float = 5.0,
+                 port: int = 0):
         self.password = password
         self.binary = binary or find_redis_server()
         self.stop_timeout_s = stop_timeout_s
-        self.port = 0
+        self.port = port  # 0: a free one at each start; else this one (a restart keeps its address)
+        self._fixed_port = port
         self.proc: subprocess.Popen | None = None
         self._finalizer: weakref.finalize | None = None
 
@@ -105,7 +107,7 @@ class EmbeddedRedis:
 
     def _start_once(self) -> EmbeddedRedis:
         workdir = tempfile.mkdtemp(prefix="brigade-redis-")
-        self.port = _free_port()
+        self.port = self._fixed_port or _free_port()
         conf = [f"port {self.port}", "bind 127.0.0.1", "protected-mode yes", 'save ""', "appendonly no",
                 "daemonize no", f"dir {_conf_string(workdir)}"]
         if self.password:

@@ -55,8 +55,9 @@ def _redact(url: str) -> str:
     return re.sub(r"//[^@/]*@", "//***@", url)
 
 
-def connect(url: str, **kwargs: Any) -> redis.Redis:
-    """A client for `url` that has answered PING; failures become a RegistryError that says why."""
+def connect(url: str, must_answer: bool = True, **kwargs: Any) -> redis.Redis:
+    """A client for `url` that has answered PING; failures become a RegistryError that says why.
+    With must_answer=False an unreachable Redis still gives the client (a refused password never does)."""
     kwargs.setdefault("socket_connect_timeout", 5.0)
     kwargs.setdefault("socket_timeout", 5.0)  # a hung Redis must not hang a heartbeat forever
     client = redis.Redis.from_url(url, decode_responses=True, **kwargs)
@@ -67,7 +68,8 @@ def connect(url: str, **kwargs: Any) -> redis.Redis:
         what = "refused the password in the URL" if has_password else "requires a password (redis://:PASSWORD@...)"
         raise RegistryError(f"Redis at {_redact(url)} {what}: {e}") from None
     except redis.RedisError as e:
-        raise RegistryError(f"cannot reach Redis at {_redact(url)}: {e}") from None
+        if must_answer:
+            raise RegistryError(f"cannot reach Redis at {_redact(url)}: {e}") from None
     return client
 
 

@@ -3,8 +3,8 @@
 Start-up runs in the order that makes the cheap failures come first: the config (checked by
 the CLI before this runs), the HTTP and gRPC ports (and the auth tokens), the model's
 config.json and tokenizer, Redis (an embedded redis-server on 127.0.0.1 unless --redis-url),
-Ray and the actors, then each worker's registration (a lease in Redis, kept alive from this
-process for now). Then it serves until SIGINT or SIGTERM, and drains: /health answers 503 and
+Ray and the actors (each worker registers its own lease in Redis and publishes its cache
+events there). Then it serves until SIGINT or SIGTERM, and drains: /health answers 503 and
 gRPC health NOT_SERVING, new requests are refused, requests in flight (on both doors at once)
 get DRAIN_S to finish, and everything started here stops in reverse order. Exit code 0.
 """
@@ -28,7 +28,6 @@ from router.http_api import ApiServer, TLSSetupError
 from router.metrics import FrontDoorMetrics
 
 DRAIN_S = 30.0  # how long a stop waits for requests in flight
-REDIS_PREFIX = "brigade"
 
 
 class _Stop(BaseException):
@@ -178,15 +177,13 @@ class _Services:
 
     def __init__(self) -> None:
         self.redis = None
-        self.registry = None
-        self.leases: dict[str, tuple[int, object]] = {}  # worker id -> (epoch, Heartbeat)
         self.cluster = None
         self.ray_started = False
         self.backend = None
 
     def start(self, cfg: ClusterConfig, signals: _Signals) -> None:
         from cluster.redis_server import EmbeddedRedis, RedisServerError
-        from cluster.registry import RegistryError, WorkerRegistry
+        from cluster.registry import RegistryError, connect
 
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         from cluster.backend import ClusterBackend  # imports ray
@@ -198,7 +195,8 @@ class _Services:
             if cfg.redis_url is None:
                 self.redis = EmbeddedRedis().start()
                 print(f"redis: embedded redis-server at {self.redis.url}", file=sys.stderr, flush=True)
-            self.registry = WorkerRegistry(cfg.redis_url or self.redis.url, prefix=REDIS_PREFIX)
+            redis_url = cfg.redis_url or self.redis.url
+            connect(redis_url).close()  # a wrong password or unreachable Redis fails here, saying which
         except (RedisServerError, RegistryError) as exc:
             raise UsageError(str(exc)) from None
 
@@ -209,27 +207,12 @@ class _Services:
         with signals.kept_through_ray_init():
             start_ray(cfg)
         signals.check()
-        self.cluster = launch(cfg)  # the longest step: a stop signal takes effect after it
+        self.cluster = launch(cfg, redis_url)  # the longest step: a stop signal takes effect after it
         signals.check()
-        info = {"model": cfg.model, "mode": cfg.mode, "host": cfg.host, "pid": os.getpid()}
-        for worker_id in self.cluster.workers:
-            self._register(worker_id, worker_id.rsplit("-", 1)[0], info)
         backend.attach(self.cluster)
         self.backend = backend
 
-    def _register(self, worker_id: str, role: str, info: dict) -> None:
-        from cluster.registry import Heartbeat
-
-        epoch = self.registry.register(worker_id, role, info)
-        self.leases[worker_id] = (epoch, Heartbeat(self.registry, worker_id, epoch).start())
-
     def stop(self) -> None:
-        for worker_id, (epoch, heartbeat) in self.leases.items():
-            heartbeat.stop()
-            _quietly(self.registry.deregister, worker_id, epoch)
-        self.leases.clear()
-        if self.registry is not None:
-            _quietly(self.registry.redis.close)
         if self.cluster is not None:
             _quietly(self.cluster.shutdown)
             self.cluster = None

@@ -11,6 +11,7 @@ import ray
 from decode_worker.worker import DecodeWorker
 from engine import EngineConfig, Role
 from kv_transfer import KVTransferError, TransferConfig
+from router.config import IndexLink
 from router.streams import OutputStream
 from router.types import Chunk, GenerateRequest, PrefillResult, Timing
 
@@ -20,8 +21,8 @@ log = logging.getLogger(__name__)
 @ray.remote
 class DecodeActor:
     def __init__(self, worker_id: str, engine_cfg: EngineConfig, transfer_cfg: TransferConfig,
-                 role: Role = Role.DECODE):
-        self.worker = DecodeWorker(worker_id, engine_cfg, transfer_cfg, role)
+                 role: Role = Role.DECODE, index: IndexLink | None = None):
+        self.worker = DecodeWorker(worker_id, engine_cfg, transfer_cfg, role, index)
         self.streams: dict[str, OutputStream] = {}  # requests streaming from here, for abort()
 
     async def address(self) -> tuple[str, int]:
@@ -48,7 +49,7 @@ class DecodeActor:
                 timing.transfer_s, timing.transfer_bytes = secs, nbytes
                 await asyncio.wrap_future(self.worker.start(
                     req.request_id, req.prompt_token_ids, first.first_token_id, req.params,
-                    first.usage.cached_tokens, first.first_logprobs, stream.sink))
+                    first.usage.cached_tokens, first.first_logprobs, stream.sink, req.cache_salt))
                 yield Chunk(req.request_id, [first.first_token_id], first.text, timing=timing,
                             logprobs=[first.first_logprobs] if first.first_logprobs else None)
             except Exception as exc:

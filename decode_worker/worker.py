@@ -21,15 +21,20 @@ from engine.block_pool import NoFreeBlocks
 from engine.engine_loop import EngineLoop, Sink
 from engine.sampling import TokenLogprobs
 from kv_transfer import KVLayout, KVTransferError, ReceiverChannel, TransferConfig, TransferServer, payload_view
+from prefill_worker.worker import worker_health
+from router.config import IndexLink
+from router.index_publisher import with_events, worker_publisher
 from router.types import GenerateRequest
 
 
 class DecodeWorker:
     def __init__(self, worker_id: str, engine_cfg: EngineConfig, transfer_cfg: TransferConfig,
-                 role: Role = Role.DECODE):
+                 role: Role = Role.DECODE, index: IndexLink | None = None):
         self.worker_id = worker_id
-        self.engine = LLMEngine(engine_cfg.model_copy(update={"role": role}))
+        mixed = role == Role.MIXED  # a mixed worker's cache is routed to; a decode worker's is not
+        self.engine = LLMEngine(with_events(engine_cfg, index is not None and mixed).model_copy(update={"role": role}))
         self.loop = EngineLoop(self.engine, name=f"{worker_id}-engine").start()
+        self.publisher = worker_publisher(index, worker_id, role.value, self.loop, mixed) if index else None
         self.layout = KVLayout.from_kv_cache(self.engine.model_id, self.engine.runner.kv_cache)
         self.transfer_cfg = transfer_cfg
         self.server = TransferServer(transfer_cfg)
@@ -126,21 +131,23 @@ class DecodeWorker:
         return payload_view(buf, header)
 
     def start(self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams,
-              cached_tokens: int, first_logprobs: TokenLogprobs | None, sink: Sink) -> Future[None]:
+              cached_tokens: int, first_logprobs: TokenLogprobs | None, sink: Sink,
+              cache_salt: str | None = None) -> Future[None]:
         """Admit a request whose KV is in its reserved blocks; its outputs go to `sink`."""
         def admit(engine: LLMEngine) -> None:
             self.reserved.pop(request_id, None)  # the engine's sequence owns the blocks from here
             self.reserved_at.pop(request_id, None)
             self.loop.watch_now(request_id, sink)
             try:
-                engine.admit(request_id, prompt_token_ids, first_token_id, params, cached_tokens, first_logprobs)
+                engine.admit(request_id, prompt_token_ids, first_token_id, params, cached_tokens, first_logprobs,
+                             cache_salt)
             except BaseException:
                 self.loop.unwatch_now(request_id)
                 raise
         return self.loop.call(admit)
 
     def generate_local(self, req: GenerateRequest, sink: Sink) -> Future[None]:
-        return self.loop.add_request(req.request_id, req.prompt_token_ids, req.params, sink)
+        return self.loop.add_request(req.request_id, req.prompt_token_ids, req.params, sink, req.cache_salt)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Free the request's blocks, wherever it is; its final ("abort") output, or None when
@@ -152,12 +159,14 @@ class DecodeWorker:
         return self.loop.abort(request_id).result()
 
     def health(self) -> dict:
-        return {"worker_id": self.worker_id, **self.loop.health()}
+        return worker_health(self.worker_id, self.loop, self.publisher)
 
     def stats(self) -> dict:
         return self.loop.call(lambda e: e.stats()).result() | {"channels": sorted(self.channels)}
 
     def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.stop()
         for prefill_id in list(self.channels):
             self.drop_channel(prefill_id)
         self.server.close()

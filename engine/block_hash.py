@@ -5,8 +5,10 @@
                    || h_{i-1} || u32le(n) || u32le(t_1) ... u32le(t_n) )
 
 where t_1..t_n are the block's token ids. A hash therefore names the whole prefix up to
-and including its block, for one model. Test vectors are in docs/ARCHITECTURE.md and
-tests/test_block_hash.py.
+and including its block, for one model. A request with a cache salt (a tenant's) starts its
+chain from `salted_root(salt)` = SHA-256(b"brigade-salt-v1" || salt (UTF-8)) instead of
+ROOT, so no block of it is ever shared with another salt or with unsalted requests.
+Test vectors are in docs/ARCHITECTURE.md and tests/test_block_hash.py.
 """
 from __future__ import annotations
 
@@ -16,6 +18,12 @@ from collections.abc import Sequence
 
 ROOT = bytes(32)
 _DOMAIN = b"brigade-kv-v1"
+_SALT_DOMAIN = b"brigade-salt-v1"
+
+
+def salted_root(salt: str | None) -> bytes:
+    """The parent of a request's first block: ROOT, or a per-salt root when it has a salt."""
+    return ROOT if not salt else hashlib.sha256(_SALT_DOMAIN + salt.encode()).digest()
 
 
 def block_hash(parent: bytes, tokens: Sequence[int], model_id: str) -> bytes:

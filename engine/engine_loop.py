@@ -63,9 +63,9 @@ class EngineLoop:
     def unwatch_now(self, request_id: str) -> None:
         self._sinks.pop(request_id, None)
 
-    def add_request(self, request_id: str, prompt, params, sink: Sink) -> Future[None]:
+    def add_request(self, request_id: str, prompt, params, sink: Sink, cache_salt: str | None = None) -> Future[None]:
         def add(engine: LLMEngine) -> None:
-            engine.add_request(request_id, prompt, params)
+            engine.add_request(request_id, prompt, params, cache_salt)
             self._sinks[request_id] = sink
         return self.call(add)
 

@@ -55,7 +55,9 @@ class LLMEngine:
                       max_model_len=self.max_model_len, block_size=self.block_size,
                       num_blocks=self.pool.num_blocks)
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    cache_salt: str | None = None) -> None:
+        """Queue a request; with `cache_salt` its prefix blocks are shared only with the same salt."""
         params = params or SamplingParams()
         if request_id in self.seqs or request_id in self.prefilled or request_id in self.reservations:
             raise InvalidRequest("request_id", f"request {request_id!r} is already in this engine")
@@ -66,7 +68,7 @@ class LLMEngine:
             # Unchunked, such a prompt would wait forever for a step big enough to hold it.
             raise InvalidRequest("prompt", f"prompt has {len(token_ids)} tokens; with chunked prefill off a "
                                            f"step computes at most {sched.max_num_batched_tokens}")
-        seq = Sequence(request_id, token_ids, params, next(self._arrivals))
+        seq = Sequence(request_id, token_ids, params, next(self._arrivals), cache_salt=cache_salt)
         self._track(seq)
         self.scheduler.add(seq)
 
@@ -218,7 +220,7 @@ class LLMEngine:
 
     def admit(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
               params: SamplingParams, cached_tokens: int = 0,
-              first_logprobs: TokenLogprobs | None = None) -> None:
+              first_logprobs: TokenLogprobs | None = None, cache_salt: str | None = None) -> None:
         """Continue a prefilled request whose KV is already in its reserved blocks.
 
         A request the first token already finishes (EOS, max_tokens=1) is reported by the
@@ -232,7 +234,7 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt_token_ids), params, next(self._arrivals),
                        token_ids=list(prompt_token_ids) + [first_token_id],
                        num_computed=len(prompt_token_ids), block_table=self.reservations.pop(request_id),
-                       num_cached_tokens=cached_tokens, status=SequenceStatus.WAITING)
+                       num_cached_tokens=cached_tokens, status=SequenceStatus.WAITING, cache_salt=cache_salt)
         if first_logprobs is not None:
             seq.logprobs.append(first_logprobs)
         self.scheduler.register_blocks(seq)

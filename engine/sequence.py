@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from engine.block_hash import ROOT, block_hash
+from engine.block_hash import block_hash, salted_root
 from engine.sampling import SamplingParams, TokenLogprobs
 
 
@@ -31,6 +31,7 @@ class Sequence:
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] | None = None
     num_preemptions: int = 0
+    cache_salt: str | None = None  # roots the hash chain (engine.block_hash.salted_root)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -59,7 +60,7 @@ class Sequence:
         full = self.num_tokens // block_size
         while len(self.block_hashes) < full:
             i = len(self.block_hashes)
-            parent = self.block_hashes[-1] if self.block_hashes else ROOT
+            parent = self.block_hashes[-1] if self.block_hashes else salted_root(self.cache_salt)
             tokens = self.token_ids[i * block_size : (i + 1) * block_size]
             self.block_hashes.append(block_hash(parent, tokens, model_id))
         return self.block_hashes

@@ -8,13 +8,15 @@ import ray
 from engine import EngineConfig
 from kv_transfer import TransferConfig
 from prefill_worker.worker import PrefillWorker
+from router.config import IndexLink
 from router.types import GenerateRequest, PrefillResult
 
 
 @ray.remote
 class PrefillActor:
-    def __init__(self, worker_id: str, engine_cfg: EngineConfig, transfer_cfg: TransferConfig):
-        self.worker = PrefillWorker(worker_id, engine_cfg, transfer_cfg)
+    def __init__(self, worker_id: str, engine_cfg: EngineConfig, transfer_cfg: TransferConfig,
+                 index: IndexLink | None = None):
+        self.worker = PrefillWorker(worker_id, engine_cfg, transfer_cfg, index)
 
     async def prefill(self, req: GenerateRequest) -> PrefillResult:
         return await asyncio.wrap_future(self.worker.prefill(req))

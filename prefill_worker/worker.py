@@ -13,16 +13,22 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from engine import EngineConfig, KVExport, LLMEngine, RequestOutput, Role
 from engine.engine_loop import EngineLoop
 from kv_transfer import KVLayout, KVTransferError, SenderChannel, TransferConfig, connect
+from router.config import IndexLink
+from router.index_publisher import with_events, worker_publisher
 from router.types import Aborted, GenerateRequest, PrefillResult
 
 log = logging.getLogger(__name__)
 
 
 class PrefillWorker:
-    def __init__(self, worker_id: str, engine_cfg: EngineConfig, transfer_cfg: TransferConfig):
+    def __init__(self, worker_id: str, engine_cfg: EngineConfig, transfer_cfg: TransferConfig,
+                 index: IndexLink | None = None):
         self.worker_id = worker_id
+        engine_cfg = with_events(engine_cfg, index is not None)
         self.engine = LLMEngine(engine_cfg.model_copy(update={"role": Role.PREFILL}))
         self.loop = EngineLoop(self.engine, name=f"{worker_id}-engine").start()
+        # Its lease and cache events in Redis, when the cluster has an index (else none).
+        self.publisher = worker_publisher(index, worker_id, "prefill", self.loop, True) if index else None
         self.layout = KVLayout.from_kv_cache(self.engine.model_id, self.engine.runner.kv_cache)
         self.transfer_cfg = transfer_cfg
         self.channels: dict[str, SenderChannel] = {}
@@ -77,7 +83,7 @@ class PrefillWorker:
                 req.request_id, out.new_token_ids[0], out.new_text, out.finished, out.finish_reason, out.usage,
                 out.logprobs[-1] if out.logprobs else None, queue_s=0.0, prefill_s=time.monotonic() - start))
 
-        added = self.loop.add_request(req.request_id, req.prompt_token_ids, req.params, sink)
+        added = self.loop.add_request(req.request_id, req.prompt_token_ids, req.params, sink, req.cache_salt)
         added.add_done_callback(lambda f: f.exception() is not None and not result.done()
                                 and result.set_exception(f.exception()))
         return result
@@ -119,13 +125,24 @@ class PrefillWorker:
         self.channels[decode_id].corrupt_next_payload = True
 
     def health(self) -> dict:
-        return {"worker_id": self.worker_id, **self.loop.health()}
+        return worker_health(self.worker_id, self.loop, self.publisher)
 
     def stats(self) -> dict:
         return self.loop.call(lambda e: e.stats()).result() | {
             "channels": sorted(self.channels), "pinned_exports": len(self.exports)}
 
     def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.stop()  # ends the lease first: no new requests are routed here
         for decode_id in list(self.channels):
             self.disconnect(decode_id)
         self.loop.stop()
+
+
+def worker_health(worker_id: str, loop: EngineLoop, publisher) -> dict:
+    """What the router's health check reads: liveness, what it hashes with, and its load.
+    (Unlocked reads of two counters from the engine thread: a hint, like the index.)"""
+    e = loop.engine
+    return {"worker_id": worker_id, **loop.health(), "model_id": e.model_id, "block_size": e.block_size,
+            "free_blocks": e.pool.num_free, "running": len(e.scheduler.running),
+            "index": publisher.status() if publisher is not None else None}

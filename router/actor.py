@@ -5,15 +5,18 @@ from collections.abc import AsyncIterator
 
 import ray
 
-from router.config import RouterConfig
+from router.config import IndexLink, RouterConfig
+from router.index_view import IndexView
 from router.router import Router
 from router.types import Chunk, GenerateRequest
 
 
 @ray.remote
 class RouterActor:
-    def __init__(self, cfg: RouterConfig, colocated: bool):
-        self.router = Router(cfg, colocated)
+    def __init__(self, cfg: RouterConfig, colocated: bool, index: IndexLink | None = None):
+        view = (IndexView(index.redis_url, index.index, cfg.index_timeout_s, cfg.recent_route_ttl_s)
+                if index is not None else None)
+        self.router = Router(cfg, colocated, view)
 
     async def add_worker(self, role: str, worker_id: str, handle) -> None:
         await self.router.add_worker(role, worker_id, handle)
@@ -24,6 +27,10 @@ class RouterActor:
 
     async def abort(self, request_id: str) -> bool:
         return await self.router.abort(request_id)
+
+    async def set_policy(self, policy: str) -> None:
+        """Switch the routing policy at run time (benchmarks compare policies on the same workers)."""
+        self.router.cfg = RouterConfig.model_validate({**self.router.cfg.model_dump(), "policy": policy})
 
     async def status(self) -> dict:
         return self.router.status()

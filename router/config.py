@@ -1,6 +1,8 @@
 """Router and front-door settings."""
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
@@ -13,6 +15,35 @@ class RouterConfig(_Frozen):
     max_waiting: int = Field(1024, ge=0)  # beyond this many waiting, new requests are refused at once
     health_interval_s: float = Field(1.0, gt=0)
     health_timeout_s: float = Field(5.0, gt=0)
+    # kv_aware: lowest estimated TTFT from the prefix index (docs/ARCHITECTURE.md, "Routing");
+    # least_loaded, round_robin, random: baselines that ignore the index.
+    policy: Literal["kv_aware", "least_loaded", "round_robin", "random"] = "kv_aware"
+    # Load-balance guard: a prefill worker whose queued prefill tokens exceed the least loaded
+    # worker's by more than this is not chosen, whatever it has cached.
+    balance_slack_tokens: int = Field(8192, ge=0)
+    # A cached prefix shorter than this fraction of the prompt counts as no hit (see router/policy.py).
+    min_hit_fraction: float = Field(0.25, ge=0, le=1)
+    # Loading one token's KV back from the host or disk tier, as a fraction of computing it.
+    host_load_cost: float = Field(0.1, ge=0)
+    disk_load_cost: float = Field(0.3, ge=0)
+    index_timeout_s: float = Field(0.5, gt=0)  # a prefix query slower than this counts as Redis down
+    # A prompt routed to a worker counts as cached there for this long, before its events arrive.
+    recent_route_ttl_s: float = Field(5.0, ge=0)
+
+
+class IndexConfig(_Frozen):
+    """Where the prefix index and the worker leases live in Redis, and how workers keep them."""
+
+    key_prefix: str = Field("brigade", min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")  # every key is PREFIX:...
+    lease_ttl_s: float = Field(10.0, gt=0)  # a worker not heard from for this long is dead
+    publish_interval_s: float = Field(0.05, gt=0)  # how often a worker sends its batched cache events
+
+
+class IndexLink(_Frozen):
+    """What a worker or router needs to reach the index: the Redis URL (password and all) and its settings."""
+
+    redis_url: str
+    index: IndexConfig = IndexConfig()
 
 
 class AuthConfig(_Frozen):

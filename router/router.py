@@ -1,18 +1,24 @@
-"""Admission and dispatch: least-loaded prefill and decode workers, token streams back.
+"""Admission and dispatch: the routing policy picks prefill and decode workers, token streams back.
 
 Disaggregated: reserve KV blocks on a decode worker, prefill on a prefill worker (first
 token), then the decode worker pulls the KV and streams from the first token on.
-Colocated: one mixed worker runs the whole request. Workers are Ray actor handles.
+Colocated: one mixed worker runs the whole request. Workers are Ray actor handles. The
+policy (router/policy.py) asks the prefix index (router/index_view.py) where the prompt's
+prefix is cached; without Redis it routes by load alone.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from router import policy
 from router.config import RouterConfig
+from router.index_view import IndexView
+from router.policy import RoundRobin
 from router.types import Chunk, GenerateRequest, NoWorker, Overloaded, Timing
 
 log = logging.getLogger(__name__)
@@ -24,14 +30,23 @@ class WorkerRef:
     role: str  # "prefill" | "decode" | "mixed"
     handle: object  # ray.actor.ActorHandle
     inflight: int = 0
+    queued_tokens: int = 0  # prompt tokens routed here whose prefill has not finished (kv_aware's queue)
+    routed: int = 0  # requests routed here so far (spreads new conversations over idle workers)
+    free_blocks: int = 0  # from the last health check
+    running: int = 0  # the engine's running batch, from the last health check
     healthy: bool = True
     peers: set[str] = field(default_factory=set)  # connected counterpart ids
 
 
 class Router:
-    def __init__(self, cfg: RouterConfig, colocated: bool):
+    def __init__(self, cfg: RouterConfig, colocated: bool, index: IndexView | None = None):
         self.cfg = cfg
         self.colocated = colocated
+        self.index = index
+        self._round_robin = RoundRobin()
+        self._rng = random.Random()
+        # kv_aware decisions: by the index, and how many went elsewhere than the longest hit (load won)
+        self.kv_picks = {"by_index": 0, "load_over_hit": 0}
         self.workers: dict[str, WorkerRef] = {}
         self.waiting = 0
         self.running = 0
@@ -44,11 +59,17 @@ class Router:
     async def add_worker(self, role: str, worker_id: str, handle) -> None:
         """Register a worker; in disaggregated mode connect it to every counterpart first."""
         ref = WorkerRef(worker_id, role, handle)
+        report = await handle.health.remote()
+        self._note(ref, report)
+        if self.index is not None and role in ("prefill", "mixed"):
+            self.index.bind(report["model_id"], report["block_size"])
         if not self.colocated:
             other = "decode" if role == "prefill" else "prefill"
             for w in [w for w in self.workers.values() if w.role == other]:  # one accept at a time per server
                 await (self._pair(ref, w) if role == "prefill" else self._pair(w, ref))
         self.workers[worker_id] = ref
+        if self.index is not None:
+            await self.index.refresh()  # its lease, so the first request already sees its cache
         if self._health_task is None:
             self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
 
@@ -64,12 +85,45 @@ class Router:
     def live(self, role: str) -> list[WorkerRef]:
         return [w for w in self.workers.values() if w.role == role and w.healthy]
 
-    def _pick(self, role: str, exclude: set[str] = frozenset(), peer_of: WorkerRef | None = None) -> WorkerRef:
+    def _pool(self, role: str, exclude: set[str] = frozenset(), peer_of: WorkerRef | None = None) -> list[WorkerRef]:
         pool = [w for w in self.live(role) if w.worker_id not in exclude
                 and (peer_of is None or w.worker_id in peer_of.peers)]
         if not pool:
             raise NoWorker(f"no live {role} worker can take the request; retry shortly")
-        return min(pool, key=lambda w: w.inflight)
+        return pool
+
+    async def _pick_prefill(self, role: str, req: GenerateRequest) -> tuple[WorkerRef, int]:
+        """The worker that computes the prompt, and the uncached tokens it is charged with."""
+        pool, n = self._pool(role), len(req.prompt_token_ids)
+        answer = None
+        if self.cfg.policy == "kv_aware" and self.index is not None:
+            answer = await self.index.hits(req.prompt_token_ids, req.cache_salt, [w.worker_id for w in pool])
+            pool = self._pool(role)  # health may have changed while we asked
+        if answer is not None:
+            hashes, hits = answer
+            w = policy.pick_kv_aware(pool, hits, n, self.index.block_size, self.cfg)
+            self.kv_picks["by_index"] += 1
+            best = max((hits.get(v.worker_id, policy.PrefixHit()).blocks for v in pool), default=0)
+            self.kv_picks["load_over_hit"] += hits.get(w.worker_id, policy.PrefixHit()).blocks < best
+            self.index.recent.note(hashes, w.worker_id)
+            w.routed += 1
+            return w, n - policy.cached_tokens(hits.get(w.worker_id, policy.PrefixHit()), n, self.index.block_size)
+        w = self._pick_by_load(role, pool)
+        w.routed += 1
+        return w, n
+
+    def _pick_decode(self, exclude: set[str], peer_of: WorkerRef) -> WorkerRef:
+        pool = self._pool("decode", exclude, peer_of)
+        if self.cfg.policy == "kv_aware":  # the batch it runs and the room it has left
+            return min(pool, key=lambda w: (w.inflight + w.running, -w.free_blocks, w.worker_id))
+        return self._pick_by_load("decode", pool)
+
+    def _pick_by_load(self, role: str, pool: list[WorkerRef]) -> WorkerRef:
+        if self.cfg.policy == "round_robin":
+            return self._round_robin.pick(role, pool)
+        if self.cfg.policy == "random":
+            return policy.pick_random(pool, self._rng)
+        return policy.pick_least_loaded(pool)
 
     # -- requests -----------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
@@ -104,19 +158,26 @@ class Router:
             self._aborted.discard(req.request_id)
 
     async def _colocated(self, req: GenerateRequest):
-        worker = self._pick("mixed")
+        worker, queued = await self._pick_prefill("mixed", req)
         self._active[req.request_id] = (None, worker)
         worker.inflight += 1
+        worker.queued_tokens += queued
         try:
             async for ref in worker.handle.generate_local.remote(req):
-                yield await ref, None, worker
+                chunk = await ref
+                if queued and (chunk.token_ids or chunk.finished):  # the prompt is computed
+                    worker.queued_tokens -= queued
+                    queued = 0
+                yield chunk, None, worker
         finally:
             worker.inflight -= 1
+            worker.queued_tokens -= queued
 
     async def _disaggregated(self, req: GenerateRequest, timing: Timing):
         rid = req.request_id
-        prefill = self._pick("prefill")
+        prefill, queued = await self._pick_prefill("prefill", req)
         prefill.inflight += 1  # counted from the pick on, so concurrent requests spread out
+        prefill.queued_tokens += queued
         self._active[rid] = (prefill, None)
         prefilling, decode = True, None
         try:
@@ -142,6 +203,7 @@ class Router:
                             first.usage, [first.first_logprobs] if first.first_logprobs else None), prefill, None
                 return
             prefill.inflight -= 1
+            prefill.queued_tokens -= queued
             prefilling = False
             async for ref in decode.handle.generate.remote(req, first, prefill.worker_id, prefill.handle):
                 chunk = await ref
@@ -152,6 +214,7 @@ class Router:
         finally:
             if prefilling:
                 prefill.inflight -= 1
+                prefill.queued_tokens -= queued
             if decode is not None:
                 decode.inflight -= 1
 
@@ -160,7 +223,7 @@ class Router:
         inflight count already includes this request."""
         tried: set[str] = set()
         while True:
-            decode = self._pick("decode", tried, peer_of=prefill)
+            decode = self._pick_decode(tried, prefill)
             decode.inflight += 1  # before the await, as for the prefill pick
             try:
                 if await decode.handle.reserve.remote(req.request_id, len(req.prompt_token_ids)):
@@ -188,22 +251,31 @@ class Router:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.health_interval_s)
-            await asyncio.gather(*(self._check(w) for w in list(self.workers.values())))
+            checks = [self._check(w) for w in list(self.workers.values())]
+            await asyncio.gather(*checks, *([self.index.refresh()] if self.index is not None else []))
 
     async def _check(self, worker: WorkerRef) -> None:
         try:
             report = await asyncio.wait_for(worker.handle.health.remote(), self.cfg.health_timeout_s)
             healthy = bool(report.get("alive"))
+            self._note(worker, report)
         except Exception:  # dead actor, timeout: both mean do not route here
             healthy = False
         if healthy != worker.healthy:
             log.warning("worker %s is now %s", worker.worker_id, "healthy" if healthy else "UNHEALTHY")
         worker.healthy = healthy
 
+    @staticmethod
+    def _note(worker: WorkerRef, report: dict) -> None:
+        worker.free_blocks = report.get("free_blocks", worker.free_blocks)
+        worker.running = report.get("running", worker.running)
+
     def status(self) -> dict:
         return {"waiting": self.waiting, "running": self.running, "colocated": self.colocated,
-                "workers": {w.worker_id: {"role": w.role, "healthy": w.healthy, "inflight": w.inflight}
-                            for w in self.workers.values()}}
+                "policy": self.cfg.policy, "kv_picks": dict(self.kv_picks),
+                "index": self.index.status() if self.index is not None else {"available": False, "error": "no Redis"},
+                "workers": {w.worker_id: {"role": w.role, "healthy": w.healthy, "inflight": w.inflight,
+                                          "queued_tokens": w.queued_tokens} for w in self.workers.values()}}
 
 
 def _abort_chunk(request_id: str) -> Chunk:

@@ -357,7 +357,7 @@ def test_a_prefill_worker_added_while_running_serves_requests(cluster, reference
     new = cluster.add_worker("prefill")
     assert new == f"prefill-{before}"
     assert ray_get(cluster.router.status.remote())["workers"][new] == {"role": "prefill", "healthy": True,
-                                                                      "inflight": 0}
+                                                                      "inflight": 0, "queued_tokens": 0}
     assert cluster.stats()[new]["channels"] == sorted(w for w in cluster.workers if w.startswith("decode-"))
     served = []
     for attempt in range(3):  # concurrent requests spread over the least-loaded prefill workers

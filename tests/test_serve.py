@@ -147,7 +147,7 @@ def test_the_grpc_door_serves_the_same_tokens(server: Server, reference) -> None
 
 def test_completions_match_the_single_process_engine(server: Server, reference) -> None:
     assert _request(f"{server.base}/health")[:2] == (200, {
-        "status": "ok", "workers": {"prefill": 1, "decode": 1}, "running": 0, "waiting": 0})
+        "status": "ok", "workers": {"prefill": 1, "decode": 1}, "running": 0, "waiting": 0, "prefix_index": "ok"})
     status, models, _ = _request(f"{server.base}/v1/models")
     assert status == 200 and models["data"][0]["id"] == "tiny"
 
@@ -256,6 +256,8 @@ def test_config_file_then_flags(tmp_path: Path) -> None:
     assert cfg.router.max_waiting == 7
     assert _serve_config() == ClusterConfig()  # no file, no flags: the defaults
     assert _serve_config("--mode", "colocated", "--decode", "2").num_prefill == 0
+    cfg = _serve_config("--policy", "round_robin", "--redis-prefix", "tenant-a")
+    assert (cfg.router.policy, cfg.index.key_prefix) == ("round_robin", "tenant-a")
 
 
 def test_the_example_config_lists_every_field_at_its_default() -> None:
@@ -283,6 +285,8 @@ BAD_SERVE = {
     "wildcard host": (["--host", "0.0.0.0"], None, "not a wildcard"),
     "grpc port": (["--grpc-port", "70000"], None, "--grpc-port: Input should be less than or equal to 65535"),
     "not a number": (["--prefill", "two"], None, "argument --prefill: invalid int value"),
+    "policy": (["--policy", "fastest"], None, "argument --policy: invalid choice"),
+    "redis prefix": (["--redis-prefix", "a b"], None, "--redis-prefix: String should match pattern"),
 }
 
 
@@ -383,6 +387,7 @@ class FakeBackend:
         self.fail: Exception | None = None
         self.healthy = True
         self.closed: list[str] = []
+        self.salts: list[str | None] = []
 
     def tokenize(self, prompt):
         return [ord(c) for c in prompt] if isinstance(prompt, str) else prompt
@@ -394,6 +399,7 @@ class FakeBackend:
         from engine.outputs import Usage
         from router.types import Chunk
 
+        self.salts.append(cache_salt)
         if self.fail is not None:
             raise self.fail
         try:
@@ -451,3 +457,14 @@ def test_front_door_maps_router_errors_to_retriable_statuses(fake_server) -> Non
     assert _request(f"{url}/health")[:2] == (503, {"status": "draining"})
     status, err, headers = _request(f"{url}/v1/completions", {"prompt": "hi"})
     assert status == 503 and headers.get("Retry-After") == "1" and "shutting down" in err["error"]["message"]
+
+
+def test_the_cache_salt_reaches_the_backend_and_a_bad_one_is_400(fake_server) -> None:
+    url, backend, _ = fake_server
+    status, _, _ = _request(f"{url}/v1/completions", {"prompt": "hi", "cache_salt": "tenant-a"})
+    status2, _, _ = _request(f"{url}/v1/completions", {"prompt": "hi"})
+    assert (status, status2) == (200, 200) and backend.salts == ["tenant-a", None]
+    for bad in ("", 7, ["x"]):
+        status, err, _ = _request(f"{url}/v1/completions", {"prompt": "hi", "cache_salt": bad})
+        assert (status, err["error"]["param"]) == (400, "cache_salt"), bad
+    assert backend.salts == ["tenant-a", None]  # refused before reaching it

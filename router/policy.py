@@ -1,0 +1,77 @@
+"""Which worker takes a request: the KV-aware rule and the baselines (pure functions).
+
+kv_aware, for a prefill (or mixed) worker w, in token units of prefill work:
+
+    ttft(w) = queued(w)                                   # prompt tokens it still has to prefill
+            + prompt - cached(w)                          # this request's uncached tokens
+            + host_load_cost * host_tokens(w) + disk_load_cost * disk_tokens(w)
+
+where cached(w) counts the leading blocks the index says w holds (at most the blocks before
+the prompt's last token, which is always recomputed) and host/disk_tokens those of them found
+only in a slower tier. A hit shorter than min_hit_fraction of the prompt counts as none:
+otherwise a prefix every request shares (a system prompt) would pull each new conversation
+onto the first worker that cached it, and the other workers' caches would sit idle. Guard:
+a worker whose queued(w) exceeds the least queued worker's by more than balance_slack_tokens
+is not a candidate, so one hot prefix cannot pile everything on one worker. Ties (a new
+conversation on idle workers) go to fewer requests in flight, then to the worker that was
+routed the fewest requests (spreading new conversations, and so the cache), then the id.
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from router.config import RouterConfig
+from router.prefix_index import PrefixHit
+
+
+class Candidate(Protocol):
+    worker_id: str
+    inflight: int
+    queued_tokens: int
+    routed: int  # requests routed there so far
+
+
+def cached_tokens(hit: PrefixHit, prompt_len: int, block_size: int) -> int:
+    return min(hit.blocks, max(0, (prompt_len - 1) // block_size)) * block_size
+
+
+def ttft_cost(w: Candidate, hit: PrefixHit, prompt_len: int, block_size: int, cfg: RouterConfig) -> float:
+    cached = cached_tokens(hit, prompt_len, block_size)
+    if cached < cfg.min_hit_fraction * prompt_len:
+        cached = 0
+    usable = cached // block_size
+    # Count the slow tiers among the usable blocks, slowest last (the query counts device first).
+    slow = max(0, usable - hit.device)
+    host = min(hit.host, slow)
+    disk = max(0, slow - host)
+    return (w.queued_tokens + prompt_len - cached
+            + block_size * (cfg.host_load_cost * host + cfg.disk_load_cost * disk))
+
+
+def pick_kv_aware(pool: Sequence[Candidate], hits: Mapping[str, PrefixHit], prompt_len: int, block_size: int,
+                  cfg: RouterConfig) -> Candidate:
+    least = min(w.queued_tokens for w in pool)
+    eligible = [w for w in pool if w.queued_tokens <= least + cfg.balance_slack_tokens]
+    return min(eligible, key=lambda w: (ttft_cost(w, hits.get(w.worker_id, PrefixHit()), prompt_len, block_size, cfg),
+                                        w.inflight, w.routed, w.worker_id))
+
+
+def pick_least_loaded(pool: Sequence[Candidate]) -> Candidate:
+    return min(pool, key=lambda w: (w.inflight, w.queued_tokens, w.routed, w.worker_id))
+
+
+class RoundRobin:
+    def __init__(self) -> None:
+        self.next: dict[str, int] = {}
+
+    def pick(self, role: str, pool: Sequence[Candidate]) -> Candidate:
+        ordered = sorted(pool, key=lambda w: w.worker_id)
+        i = self.next.get(role, 0)
+        self.next[role] = i + 1
+        return ordered[i % len(ordered)]
+
+
+def pick_random(pool: Sequence[Candidate], rng: random.Random) -> Candidate:
+    return rng.choice(sorted(pool, key=lambda w: w.worker_id))
