@@ -264,10 +264,10 @@ class LLMEngine:
     # -- introspection ----------------------------------------------------------
     def take_cache_events(self) -> list[CacheEvent]:
         """Cache events since the last call, oldest first (empty unless cache.record_events)."""
-        return self.cache.events.take() if self.cache else []
+        return self.cache.events.take() if self.cache is not None else []  # an empty cache is falsy
 
     def stats(self) -> dict:
-        cs = self.cache.stats if self.cache else CacheStats()
+        cs = self.cache.stats if self.cache is not None else CacheStats()
         return {
             "num_blocks": self.pool.num_blocks, "free_blocks": self.pool.num_free,
             "referenced_blocks": self.pool.num_referenced, "cached_blocks": len(self.cache) if self.cache else 0,
