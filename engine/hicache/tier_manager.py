@@ -79,8 +79,8 @@ class TierManager:
     def on_evict(self, blocks: list[tuple[bytes, int]]) -> None:
         """L1 is about to reuse these blocks: keep the ones L2 lacks (their bytes are still intact)."""
         self._flush_new()
-        keep = [(h, b) for h, b in blocks
-                if h not in self.host and h not in self.writing and self._hits(h) >= self.cfg.hit_threshold]
+        keep = [(h, b) for h, b in blocks if h not in self.host and h not in self.writing
+                and (self.disk is None or h not in self.disk) and self._hits(h) >= self.cfg.hit_threshold]
         self._copy_to_host(keep)
 
     # -- the engine's hooks -----------------------------------------------------------------
@@ -214,17 +214,22 @@ class TierManager:
         if stored:
             self.events.record("stored", "host", (h,))
         for old, old_kv in evicted:
-            self._write_back(old, old_kv)
+            self._write_back(old, old_kv, in_host=True)
+        if not stored:  # L2 cannot hold it (a zero or tiny budget): straight on to L3
+            self._write_back(h, kv.clone(), in_host=False)
 
-    def _write_back(self, h: bytes, kv: torch.Tensor) -> None:
-        """An L2 eviction: to L3 if it qualifies, else it leaves the host tier now."""
+    def _write_back(self, h: bytes, kv: torch.Tensor, in_host: bool) -> None:
+        """A block leaving L2 (or passing it by): to L3 if it qualifies, else it is gone."""
         d = self.disk
         if d is None or d.full or h in d or self._hits(h) < self.cfg.hit_threshold:
-            self.events.record("removed", "host", (h,))
+            if in_host:
+                self.events.record("removed", "host", (h,))
             return
         if len(self.writing) >= WRITE_QUEUE_BLOCKS:
             next(iter(self.writing.values()))[1].exception()  # the oldest write: wait for it
             self.poll()
+        if not in_host:  # the write queue is host memory: announced there until the file is whole
+            self.events.record("stored", "host", (h,))
         self.writing[h] = (kv, self._writer.submit(d.write, h, kv))
 
     def _end_write(self, h: bytes) -> None:
