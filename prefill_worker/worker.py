@@ -129,3 +129,4 @@ class PrefillWorker:
         for decode_id in list(self.channels):
             self.disconnect(decode_id)
         self.loop.stop()
+        self.engine.close()  # after the loop: finishes pending HiCache disk writes

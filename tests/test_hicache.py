@@ -110,3 +110,13 @@ def test_events_record_each_tier_move_in_order(tmp_path, host_blocks):
     kinds = [(e.kind, e.tier) for e in events if first in e.hashes]
     assert kinds[:3] == [("stored", "device"), ("stored", "host"), ("removed", "device")]
     engine.close()
+
+
+def test_cluster_config_gives_each_prefill_worker_its_own_disk_dir(tmp_path):
+    from cluster.config import ClusterConfig, load_config
+
+    cfg = load_config(None, {"engine": {"hicache": {"enabled": True, "disk_dir": str(tmp_path)}}})
+    assert cfg.engine_config(None, "prefill-1").cache.hicache.disk_dir == str(tmp_path / "prefill-1")
+    assert cfg.engine_config(None, "mixed-0").cache.hicache.disk_dir == str(tmp_path / "mixed-0")
+    assert cfg.engine_config(None, "decode-0").cache.hicache.enabled is False  # decode never matches prefixes
+    assert ClusterConfig().engine_config(None, "prefill-0").cache.hicache.enabled is False  # off by default
