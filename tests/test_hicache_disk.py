@@ -5,6 +5,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 
 from engine.block_hash import chain_hashes
 from engine.hicache.disk_store import DiskStore, encode_block
+from tests.helpers import assert_pool_clean
 from tests.hicache_helpers import BLOCK, GREEDY, plain_engine, tiered_engine, tokens
 
 PROMPT = tokens(64, seed=11)
@@ -102,3 +104,23 @@ def test_kill_during_disk_writes_leaves_no_readable_partial_file(tmp_path):
         kv = store.read(h)
         assert kv is not None and torch.equal(kv, torch.full_like(kv, float(int.from_bytes(h, "big"))))
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]  # re-indexing swept them
+
+
+def test_full_disk_stops_disk_writes_and_keeps_serving(tmp_path, reference):
+    """ENOSPC from the kernel: each temp file the writer thread will open is a symlink to /dev/full."""
+    engine = tiered_engine(tmp_path, host_blocks=0)  # every block goes straight to disk
+    hc = engine.hicache
+    writer_thread = hc._writer.submit(threading.get_ident).result()
+    for h in chain_hashes(PROMPT, BLOCK, engine.model_id):
+        (tmp_path / f".tmp-{h.hex()}-{os.getpid()}-{writer_thread}").symlink_to("/dev/full")
+    first = engine.generate([PROMPT], GREEDY)[0]
+    hc.drain()
+    stats = engine.stats()["hicache"]
+    assert stats["disk_full"] is True and stats["disk"]["write_errors"] >= 1
+    assert stats["disk_blocks"] == 0 and not list(tmp_path.glob("*.kv"))
+    again = engine.generate([PROMPT], GREEDY)[0]  # served (from the device pool), no more disk writes
+    hc.drain()
+    assert first.token_ids == again.token_ids == reference
+    assert engine.stats()["hicache"]["disk"]["write_errors"] == stats["disk"]["write_errors"]
+    assert_pool_clean(engine)
+    engine.close()
