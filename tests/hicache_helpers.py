@@ -13,12 +13,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
 def tiered_engine(disk_dir: Path | None, *, num_blocks: int = 24, host_blocks: int = 64, disk_blocks: int = 10_000,
-                  record_events: bool = False, budget: int = 256, **hicache) -> LLMEngine:
+                  record_events: bool = False, budget: int = 256, device: str = "cpu", **hicache) -> LLMEngine:
     hc = HiCacheConfig(enabled=True, host_bytes=host_blocks * BLOCK_BYTES,
                        disk_dir=str(disk_dir) if disk_dir else None, disk_bytes=disk_blocks * (BLOCK_BYTES + 400),
                        **hicache)
     return LLMEngine(EngineConfig(
-        model="tiny", device="cpu", dtype="float32",
+        model="tiny", device=device, dtype="float32",
         cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks, record_events=record_events, hicache=hc),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget)))
 

@@ -14,11 +14,12 @@ def _reference() -> list[int]:
     return plain_engine().generate([PROMPT], GREEDY)[0].token_ids
 
 
-def test_same_tokens_from_device_host_disk_and_recompute(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_same_tokens_from_device_host_disk_and_recompute(tmp_path, device):
     want = _reference()
     seen = {}
     for name, host_blocks in (("host", 64), ("disk", 2)):
-        engine = tiered_engine(tmp_path / name, host_blocks=host_blocks)
+        engine = tiered_engine(tmp_path / name, host_blocks=host_blocks, device=device)
         cold = engine.generate([PROMPT], GREEDY)[0]
         warm = engine.generate([PROMPT], GREEDY)[0]
         engine.generate([FILLER], GREEDY)

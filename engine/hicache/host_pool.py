@@ -42,7 +42,7 @@ class HostPool:
         if self.used_bytes + size > self.budget:
             return False, evicted
         copy = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=self.pin)
-        copy.copy_(kv)
+        copy.copy_(kv)  # from a device view: a synchronous device -> host copy
         self.blocks[h] = copy
         self.used_bytes += size
         return True, evicted

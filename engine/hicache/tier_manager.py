@@ -197,14 +197,13 @@ class TierManager:
         self._copy_to_host(live)
 
     def _copy_to_host(self, blocks: list[tuple[bytes, int]]) -> None:
+        """Copy device blocks into L2 (one copy each, straight from the KV cache)."""
         if not blocks:
             return
-        kv = self.runner.read_blocks([b for _, b in blocks])  # (2, L, n, bs, Hkv, hd)
-        if kv.device.type != "cpu":
-            kv = kv.cpu()
+        kv_cache = self.runner.kv_cache  # (2, L, NB, bs, Hkv, hd)
         self.stats["bytes"]["device_to_host"] += len(blocks) * self.block_bytes
-        for i, (h, _) in enumerate(blocks):
-            self._put_host(h, kv[:, :, i])
+        for h, b in blocks:
+            self._put_host(h, kv_cache[:, :, b])  # (2, L, bs, Hkv, hd), a view
 
     def _put_host(self, h: bytes, kv: torch.Tensor) -> None:
         if h in self.host:
@@ -216,7 +215,7 @@ class TierManager:
         for old, old_kv in evicted:
             self._write_back(old, old_kv, in_host=True)
         if not stored:  # L2 cannot hold it (a zero or tiny budget): straight on to L3
-            self._write_back(h, kv.clone(), in_host=False)
+            self._write_back(h, kv.to("cpu", copy=True), in_host=False)
 
     def _write_back(self, h: bytes, kv: torch.Tensor, in_host: bool) -> None:
         """A block leaving L2 (or passing it by): to L3 if it qualifies, else it is gone."""
