@@ -22,12 +22,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
-from engine.block_hash import ROOT
 from engine.block_pool import BlockPool
 from engine.config import HiCacheConfig
 from engine.hicache.disk_store import DiskStore
@@ -60,7 +59,6 @@ class TierManager:
             self._readers = ThreadPoolExecutor(2, thread_name_prefix="hicache-read")
             if len(self.disk):  # warm restart: the prefix index learns what this worker still has
                 self.events.record("stored", "disk", tuple(self.disk.index))
-                self.disk.take_changes()
         self.writing: dict[bytes, tuple[torch.Tensor, Future]] = {}  # L2 evictions on their way to L3
         self.staged: dict[bytes, Future] = {}  # L3 reads started when their request was queued
         self.hits: OrderedDict[bytes, int] = OrderedDict()
@@ -123,7 +121,7 @@ class TierManager:
             return [], {"device": num_device} if num_device else {}
         blocks = self.pool.allocate(len(found))
         self.runner.write_blocks(blocks, torch.stack([kv for _, kv, _ in found], dim=2))  # (2, L, n, bs, Hkv, hd)
-        parent = hashes[num_device - 1] if num_device else ROOT
+        parent = hashes[num_device - 1] if num_device else self.cache.root.hash
         self._loading = True
         try:
             for (h, kv, tier), b in zip(found, blocks):
@@ -255,6 +253,9 @@ class TierManager:
         except FutureTimeout:
             fut.cancel()
             self.stats["prefetch_timeouts"] += 1
+            return None, ""
+        except (CancelledError, Exception) as e:  # a miss, never a failed step: the block is recomputed
+            log.warning("hicache: L3 read of %s failed: %r", h.hex()[:16], e)
             return None, ""
         self.poll()  # a bad file was quarantined: record it
         return kv, "disk"
