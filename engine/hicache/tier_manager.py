@@ -212,7 +212,7 @@ class TierManager:
             self.events.record("stored", "host", (h,))
         for old, old_kv in evicted:
             self._write_back(old, old_kv, in_host=True)
-        if not stored:  # L2 cannot hold it (a zero or tiny budget): straight on to L3
+        if not stored and (self.disk is None or h not in self.disk):  # L2 cannot hold it: straight on to L3
             self._write_back(h, kv.to("cpu", copy=True), in_host=False)
 
     def _write_back(self, h: bytes, kv: torch.Tensor, in_host: bool) -> None:
