@@ -48,6 +48,10 @@ def test_warm_restart_serves_from_disk(tmp_path):
     second = tiered_engine(tmp_path, host_blocks=2, record_events=True)
     restored = {h for e in second.take_cache_events() if e.tier == "disk" for h in e.hashes}
     assert set(chain_hashes(PROMPT, BLOCK, second.model_id)[:15]) <= restored  # re-indexed and announced
+    second.add_request("aborted", PROMPT, GREEDY)
+    assert set(second.hicache.staged) == set(chain_hashes(PROMPT, BLOCK, second.model_id)[:15])  # reads started
+    second.abort("aborted")
+    assert not second.hicache.staged  # an aborted request's reads are dropped
     out = second.generate([PROMPT], GREEDY)[0]
     assert out.token_ids == want
     assert out.usage.cached_by_tier == {"disk": 60}
