@@ -232,6 +232,7 @@ def run_chat(engine: LLMEngine, plan: Plan, firsts, users) -> dict:
     tokens: dict[tuple[int, int], list[int]] = {}
     cached = {"device": 0, "host": 0, "disk": 0}
     prompt_tokens = 0
+    cpu0 = time.process_time()
     t0 = time.perf_counter()
     while order or busy:
         while order and len(busy) < plan.concurrency:
@@ -255,8 +256,9 @@ def run_chat(engine: LLMEngine, plan: Plan, firsts, users) -> dict:
                 history[s] += out.token_ids + (users[s][t] if t < plan.turns - 1 else [])
     elapsed = time.perf_counter() - t0
     n_out = sum(len(v) for v in tokens.values())
-    return {"seconds": elapsed, "output_tokens": n_out, "tokens_per_s": n_out / elapsed,
-            "prompt_tokens": prompt_tokens, "cached_tokens_by_tier": cached,
+    # CPU seconds of this process: less sensitive than wall time to other work on the machine.
+    return {"seconds": elapsed, "cpu_seconds": time.process_time() - cpu0, "output_tokens": n_out,
+            "tokens_per_s": n_out / elapsed, "prompt_tokens": prompt_tokens, "cached_tokens_by_tier": cached,
             "ttft_mean_s": float(np.mean(ttfts)), "ttft": C.latency_stats(ttfts),
             "preemptions": engine.stats()["preemptions"], "tokens": tokens}
 

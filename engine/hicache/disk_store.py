@@ -12,8 +12,8 @@ One file per block, named `<hash hex>.kv`:
 
 Files are written to a temp name, fsynced and renamed, so a reader sees a whole file or
 none. A file that is truncated, fails its checksum, belongs to another model or layout,
-or has another format version is a miss: it is moved to `quarantine/`, logged and
-counted, never decoded. A full disk (ENOSPC) stops writes; reads go on.
+or has another format version is a miss: it is moved to `quarantine/` (the newest
+QUARANTINE_KEEP are kept), logged and counted, never decoded. A full disk (ENOSPC) stops writes; reads go on.
 
 Thread-safe: the tier manager's I/O thread writes and reads while the engine thread looks
 blocks up; `take_changes()` hands the engine thread what became findable or stopped
@@ -42,6 +42,7 @@ _PREFIX = struct.Struct("<8sHI")  # magic, version, header length
 _DIGEST = 16
 _SUFFIX = ".kv"
 _TMP = ".tmp-"
+QUARANTINE_KEEP = 64  # bad files kept for inspection; older ones are deleted so the directory stays bounded
 
 
 class BadBlockFile(ValueError):
@@ -226,6 +227,9 @@ class DiskStore:
             os.replace(path, self.quarantine_dir / f"{path.name}.{time.time_ns()}")
         except FileNotFoundError:
             pass
+        kept = sorted(self.quarantine_dir.iterdir(), key=lambda p: p.stat().st_mtime)
+        for old in kept[: max(0, len(kept) - QUARANTINE_KEEP)]:
+            _unlink(old)
         with self._lock:
             self.stats["quarantined"] += 1
         log.warning("hicache: quarantined L3 block file %s: %s", path.name, why)
