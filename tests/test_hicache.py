@@ -46,6 +46,8 @@ def test_warm_restart_serves_from_disk(tmp_path):
     assert (tmp_path.stat().st_mode & 0o777) == 0o700
 
     second = tiered_engine(tmp_path, host_blocks=2, record_events=True)
+    with pytest.raises(ValueError, match="in use by another engine"):
+        tiered_engine(tmp_path)
     restored = {h for e in second.take_cache_events() if e.tier == "disk" for h in e.hashes}
     assert set(chain_hashes(PROMPT, BLOCK, second.model_id)[:15]) <= restored  # re-indexed and announced
     second.add_request("aborted", PROMPT, GREEDY)

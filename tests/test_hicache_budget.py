@@ -67,6 +67,7 @@ def test_host_and_disk_evict_least_recently_used_first(tmp_path):
     names = [bytes([i]) * 32 for i in range(3)]
     disk = DiskStore(tmp_path, 1, "tiny", layout, torch.float32, tuple(kv.shape))
     assert disk.write(names[0], kv) is False  # one file is over this budget: refused, nothing written
+    disk.close()
     disk = DiskStore(tmp_path, 10**9, "tiny", layout, torch.float32, tuple(kv.shape))
     assert disk.write(names[0], kv)
     file_size = disk.used_bytes

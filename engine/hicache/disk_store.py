@@ -22,6 +22,7 @@ being findable, in order, for its cache events.
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -105,7 +106,20 @@ class DiskStore:
         self._lock = threading.Lock()
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.dir.chmod(0o700)  # mkdir's mode is masked by umask and ignored for an existing dir
+        # One store per directory: two would each index, evict and budget the same files.
+        # A file object, so the lock also goes when an unclosed store is garbage-collected.
+        self._dir_lock = open(os.open(self.dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600), "rb")
+        try:
+            fcntl.flock(self._dir_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._dir_lock.close()
+            raise ValueError(f"hicache disk_dir {self.dir} is in use by another engine; "
+                             "give each engine its own directory") from None
         self._reindex()
+
+    def close(self) -> None:
+        """Release the directory (also done when the store is collected or the process dies)."""
+        self._dir_lock.close()
 
     # -- lookups ---------------------------------------------------------------------
     def __contains__(self, h: bytes) -> bool:

@@ -176,6 +176,7 @@ class TierManager:
             self.drain()
             self._writer.shutdown(wait=True)
             self._readers.shutdown(wait=True, cancel_futures=True)
+            self.disk.close()
 
     def snapshot(self) -> dict:
         out = {**self.stats, "host_blocks": len(self.host), "host_bytes": self.host.used_bytes,
