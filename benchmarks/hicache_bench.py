@@ -71,10 +71,11 @@ class Plan:
     prompt_len: int = 2048
     cached_len: int = 1920
     ttft_reps: int = 3
+    # 16 sessions x 6 turns; histories grow from 704 to 1,120 tokens; working set 880 blocks, pool 176.
     sessions: int = 16
-    turns: int = 5
+    turns: int = 6
     system_len: int = 256
-    first_user_len: int = 192
+    first_user_len: int = 448
     user_len: int = 64
     output_len: int = 16
     concurrency: int = 2
@@ -82,8 +83,9 @@ class Plan:
 
 
 FULL = Plan()
-QUICK = Plan(prompt_len=512, cached_len=480, ttft_reps=1, sessions=6, turns=3, system_len=64,
-             first_user_len=64, user_len=32, output_len=8)
+# A smoke run: its working set is only ~2.3x its pool (the pool must still hold two requests).
+QUICK = Plan(prompt_len=512, cached_len=480, ttft_reps=1, sessions=8, turns=3, system_len=64,
+             first_user_len=32, user_len=32, output_len=4)
 
 
 def blocks_for(tokens: int) -> int:
