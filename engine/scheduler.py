@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine.block_pool import BlockPool
 from engine.config import SchedulerConfig
@@ -28,6 +29,14 @@ class ScheduledSeq:
         return self.seq.num_computed + self.num_new_tokens == self.seq.num_tokens
 
 
+class PrefixLoader(Protocol):
+    """Lower cache tiers (engine.hicache.TierManager) that can extend a device prefix hit."""
+
+    def load_back(self, seq: Sequence, hashes: list[bytes], num_device: int) -> tuple[list[int], dict[str, int]]:
+        """Blocks continuing a referenced device hit of `num_device` blocks, now in the pool,
+        cached and referenced; and the whole hit in blocks per tier."""
+
+
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, pool: BlockPool, cache: RadixCache | None,
                  block_size: int, model_id: str):
@@ -39,8 +48,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        # Lower cache tiers (engine.hicache.TierManager): extends a device prefix hit from host or disk.
-        self.loader = None
+        self.loader: PrefixLoader | None = None  # set when HiCache is on
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
