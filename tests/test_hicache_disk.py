@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.block_hash import chain_hashes
-from engine.hicache.disk_store import DiskStore, encode_block
+from engine.hicache.disk_store import QUARANTINE_KEEP, DiskStore, encode_block
 from tests.helpers import assert_pool_clean
 from tests.hicache_helpers import BLOCK, GREEDY, plain_engine, tiered_engine, tokens
 
@@ -124,3 +124,13 @@ def test_full_disk_stops_disk_writes_and_keeps_serving(tmp_path, reference):
     assert engine.stats()["hicache"]["disk"]["write_errors"] == stats["disk"]["write_errors"]
     assert_pool_clean(engine)
     engine.close()
+
+
+def test_quarantine_keeps_only_the_newest_bad_files(tmp_path):
+    for i in range(QUARANTINE_KEEP + 6):
+        (tmp_path / f"{(bytes([i]) * 32).hex()}.kv").write_bytes(b"not a block file")
+    layout = {"dtype": "float32", "block_shape": [2, 2, 4, 2, 32]}
+    store = DiskStore(tmp_path, 1 << 30, "tiny", layout, torch.float32, (2, 2, 4, 2, 32))
+    assert len(store) == 0 and store.stats["quarantined"] == QUARANTINE_KEEP + 6
+    assert len(list((tmp_path / "quarantine").iterdir())) == QUARANTINE_KEEP
+    store.close()
