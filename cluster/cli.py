@@ -62,12 +62,17 @@ SERVE_FLAGS = {
     ("engine", "dtype"): "--dtype", ("engine", "device"): "--device", ("engine", "block_size"): "--block-size",
     ("engine", "num_blocks"): "--num-blocks", ("engine", "max_num_batched_tokens"): "--max-num-batched-tokens",
     ("engine", "max_num_seqs"): "--max-num-seqs", ("engine", "max_model_len"): "--max-model-len",
+    ("engine", "hicache", "enabled"): "--hicache", ("engine", "hicache", "host_bytes"): "--hicache-host-bytes",
+    ("engine", "hicache", "disk_dir"): "--hicache-disk-dir",
+    ("engine", "hicache", "disk_bytes"): "--hicache-disk-bytes",
     ("router", "policy"): "--policy", ("index", "key_prefix"): "--redis-prefix",
 }
 CONFIG_FLAGS = {
     ("model",): "--model", ("dtype",): "--dtype", ("device",): "--device", ("seed",): "--seed",
     ("cache", "block_size"): "--block-size", ("cache", "num_blocks"): "--num-blocks",
     ("scheduler", "max_num_batched_tokens"): "--max-num-batched-tokens",
+    ("cache", "hicache", "enabled"): "--hicache", ("cache", "hicache", "host_bytes"): "--hicache-host-bytes",
+    ("cache", "hicache", "disk_dir"): "--hicache-disk-dir", ("cache", "hicache", "disk_bytes"): "--hicache-disk-bytes",
 }
 REQUEST_FLAGS = {
     "max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
@@ -119,6 +124,13 @@ def _engine_flags(defaults: bool = True) -> argparse.ArgumentParser:
                         % ("" if defaults else " of each worker"))
     g.add_argument("--max-num-batched-tokens", type=int, metavar="N",
                    help="tokens per engine step (default 2048)")
+    h = parent.add_argument_group("HiCache: host-memory and disk tiers under the KV pool (policies: config file)")
+    h.add_argument("--hicache", action="store_true", default=None,
+                   help="keep blocks the pool evicts in host memory (and on disk with --hicache-disk-dir) "
+                        "and load them back on a prefix hit")
+    h.add_argument("--hicache-host-bytes", type=int, metavar="B", help="host-memory tier budget (default 1 GiB)")
+    h.add_argument("--hicache-disk-dir", metavar="DIR", help="disk tier directory, created 0700 (default: none)")
+    h.add_argument("--hicache-disk-bytes", type=int, metavar="B", help="disk tier budget (default 8 GiB)")
     return parent
 
 
@@ -214,7 +226,9 @@ def engine_config(args: argparse.Namespace):
 
     return EngineConfig.model_validate(given(
         model=args.model, dtype=args.dtype, device=args.device, seed=getattr(args, "seed", None),
-        cache=given(block_size=args.block_size, num_blocks=args.num_blocks),
+        cache=given(block_size=args.block_size, num_blocks=args.num_blocks, hicache=given(
+            enabled=args.hicache, host_bytes=args.hicache_host_bytes, disk_dir=args.hicache_disk_dir,
+            disk_bytes=args.hicache_disk_bytes)),
         scheduler=given(max_num_batched_tokens=args.max_num_batched_tokens),
     ))
 
@@ -232,7 +246,9 @@ def cluster_config(args: argparse.Namespace):
         "http_port": args.http_port, "grpc_port": args.grpc_port, "num_cpus": args.num_cpus,
         "engine": {"dtype": args.dtype, "device": args.device, "block_size": args.block_size,
                    "num_blocks": args.num_blocks, "max_num_batched_tokens": args.max_num_batched_tokens,
-                   "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len},
+                   "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
+                   "hicache": {"enabled": args.hicache, "host_bytes": args.hicache_host_bytes,
+                               "disk_dir": args.hicache_disk_dir, "disk_bytes": args.hicache_disk_bytes}},
         "router": {"policy": args.policy}, "index": {"key_prefix": args.redis_prefix},
     }
     try:

@@ -9,6 +9,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import HiCacheConfig
 from kv_transfer import TransferConfig
 from router.config import FrontDoorConfig, IndexConfig, RouterConfig
 
@@ -27,6 +28,9 @@ class WorkerEngine(_Frozen):
     max_num_batched_tokens: int = Field(2048, ge=16)
     max_num_seqs: int = Field(128, ge=1)
     max_model_len: int | None = Field(None, ge=1)
+    # Host-memory and disk tiers under each prefill (or mixed) worker's pool; disk_dir gets one
+    # subdirectory per worker, named by its id, so a restarted worker re-indexes its own files.
+    hicache: HiCacheConfig = HiCacheConfig()
 
 
 class ClusterConfig(_Frozen):
@@ -58,13 +62,24 @@ class ClusterConfig(_Frozen):
     def num_prefill(self) -> int:
         return 0 if self.mode == "colocated" else self.prefill
 
-    def engine_config(self, num_threads: int | None) -> EngineConfig:
+    def engine_config(self, num_threads: int | None, worker_id: str | None = None) -> EngineConfig:
         e = self.engine
+        cache = CacheConfig(block_size=e.block_size, num_blocks=e.num_blocks, hicache=self.worker_hicache(worker_id))
         return EngineConfig(
             model=self.model, dtype=e.dtype, device=e.device, max_model_len=e.max_model_len,
-            num_threads=num_threads, cache=CacheConfig(block_size=e.block_size, num_blocks=e.num_blocks),
+            num_threads=num_threads, cache=cache,
             scheduler=SchedulerConfig(max_num_batched_tokens=e.max_num_batched_tokens, max_num_seqs=e.max_num_seqs),
         )
+
+    def worker_hicache(self, worker_id: str | None) -> HiCacheConfig:
+        """A worker's own HiCache settings. Decode workers never match prefixes (their KV comes
+        from a prefill worker), so tiers there would only cost copies: off."""
+        hc = self.engine.hicache
+        if not hc.enabled or worker_id is None:
+            return hc
+        if worker_id.startswith("decode-"):
+            return HiCacheConfig()
+        return hc.model_copy(update={"disk_dir": str(Path(hc.disk_dir) / worker_id)}) if hc.disk_dir else hc
 
 
 def load_config(path: Path | str | None, overrides: dict) -> ClusterConfig:

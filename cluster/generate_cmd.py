@@ -49,6 +49,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
     show_progress = bool(args.prompts_file) and not args.json and sys.stderr.isatty()
     outputs = engine.generate(prompts, [s.params for s in specs], progress=show_progress)
     elapsed = time.perf_counter() - start
+    engine.close()
 
     for out in outputs:
         print(json.dumps(as_json(out), ensure_ascii=False) if args.json else out.text)

@@ -92,8 +92,8 @@ class Cluster:
         """Start one more worker and hand it to the router (which pairs it with its peers)."""
         cfg = self.cfg
         place = placements(cfg, max(1, cfg.num_prefill + cfg.decode))
-        engine_cfg = cfg.engine_config(place.num_threads)
         worker_id = f"{role}-{sum(w.startswith(role + '-') for w in self.workers)}"
+        engine_cfg = cfg.engine_config(place.num_threads, worker_id)
         opts = {**place.options, "name": worker_id, "max_concurrency": 1000}
         if role == "prefill":
             handle = PrefillActor.options(**opts).remote(worker_id, engine_cfg, cfg.transfer, self.index)

@@ -171,3 +171,4 @@ class DecodeWorker:
             self.drop_channel(prefill_id)
         self.server.close()
         self.loop.stop()
+        self.engine.close()  # after the loop: finishes pending HiCache disk writes

@@ -28,6 +28,26 @@ class Role(str, Enum):
     DECODE = "decode"
 
 
+class HiCacheConfig(_Frozen):
+    """Host-memory (L2) and disk (L3) tiers under the device pool (L1); off unless enabled."""
+
+    enabled: bool = False
+    # L2 budget: bytes of KV blocks kept in host memory (pinned on CUDA).
+    host_bytes: int = Field(1 << 30, ge=0)
+    # L3: a directory on local disk (created 0700); None leaves L3 off.
+    disk_dir: str | None = None
+    disk_bytes: int = Field(8 << 30, ge=0)
+    # write_through: copy each block to L2 when it is cached in L1 (L1 evictions then cost nothing).
+    # write_back: copy to L2 only when L1 evicts it. L2 -> L3 is always written back on L2 eviction.
+    write_policy: Literal["write_through", "write_back"] = "write_through"
+    # Selective: a block goes down a tier only once it was hit this often (0: every block).
+    hit_threshold: int = Field(0, ge=0)
+    # wait: a queued request's L3 reads always complete before its prefill; best_effort: blocks
+    # not read within prefetch_timeout_s of scheduling are recomputed.
+    prefetch_policy: Literal["wait", "best_effort"] = "wait"
+    prefetch_timeout_s: float = Field(0.05, ge=0.0)
+
+
 class CacheConfig(_Frozen):
     block_size: int = Field(16, ge=1, le=1024)
     # Number of KV blocks in the device pool. None: size from `memory_fraction`
@@ -38,6 +58,7 @@ class CacheConfig(_Frozen):
     enable_prefix_cache: bool = True
     # Keep a log of cache events (engine.cache_events) for a prefix-index publisher to take.
     record_events: bool = False
+    hicache: HiCacheConfig = HiCacheConfig()
 
 
 class SchedulerConfig(_Frozen):
@@ -67,4 +88,6 @@ class EngineConfig(_Frozen):
     def _check(self) -> EngineConfig:
         if self.cache.block_size > self.scheduler.max_num_batched_tokens:
             raise ValueError("cache.block_size must not exceed scheduler.max_num_batched_tokens")
+        if self.cache.hicache.enabled and not self.cache.enable_prefix_cache:
+            raise ValueError("cache.hicache.enabled needs cache.enable_prefix_cache")
         return self

@@ -9,6 +9,7 @@ import torch
 from engine.block_pool import BlockPool
 from engine.cache_events import CacheEventLog
 from engine.config import EngineConfig
+from engine.hicache import TierManager
 from engine.loader import load_model
 from engine.model_config import DTYPES, ModelConfig
 from engine.model_runner import ModelRunner, kv_cache_blocks
@@ -32,6 +33,7 @@ class EngineParts:
     cache: RadixCache | None
     scheduler: Scheduler
     sampler: Sampler
+    hicache: TierManager | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -75,5 +77,9 @@ def build_parts(cfg: EngineConfig) -> EngineParts:
     cache = RadixCache(pool, CacheEventLog(cfg.cache.record_events)) if cfg.cache.enable_prefix_cache else None
     model_id = model_id_for(cfg, path)
     scheduler = Scheduler(cfg.scheduler, pool, cache, cfg.cache.block_size, model_id)
+    hicache = None
+    if cache is not None and cfg.cache.hicache.enabled:
+        hicache = TierManager(cfg.cache.hicache, runner, pool, cache, model_id, cfg.cache.block_size)
+        scheduler.loader = hicache
     return EngineParts(model_id, model_cfg, Tokenizer.from_dir(path), device, dtype, max_len,
-                       runner, pool, cache, scheduler, Sampler(device, cfg.seed))
+                       runner, pool, cache, scheduler, Sampler(device, cfg.seed), hicache)

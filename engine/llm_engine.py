@@ -34,6 +34,7 @@ class LLMEngine:
         self.device, self.dtype, self.max_model_len = p.device, p.dtype, p.max_model_len
         self.runner, self.pool, self.cache, self.scheduler, self.sampler = (
             p.runner, p.pool, p.cache, p.scheduler, p.sampler)
+        self.hicache = p.hicache  # host/disk tiers under the device pool, or None
         self.block_size = config.cache.block_size
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -71,6 +72,8 @@ class LLMEngine:
         seq = Sequence(request_id, token_ids, params, next(self._arrivals), cache_salt=cache_salt)
         self._track(seq)
         self.scheduler.add(seq)
+        if self.hicache is not None:
+            self.hicache.prefetch(seq)  # disk reads start now, not when the request is scheduled
 
     def _track(self, seq: Sequence, emitted: list[int] | None = None) -> None:
         self.seqs[seq.request_id] = seq
@@ -96,6 +99,8 @@ class LLMEngine:
             if seq is None:
                 return None
             self.scheduler.remove(seq)
+            if self.hicache is not None:
+                self.hicache.forget(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
         return self._finish_output(seq, [])
 
@@ -109,6 +114,8 @@ class LLMEngine:
         sampled = [s.seq for s in batch if s.samples]
         logits = self.runner.run(batch)
         self.scheduler.after_step(batch)
+        if self.hicache is not None:
+            self.hicache.after_step()
         tokens, logprobs = self.sampler(logits, [q.params for q in sampled],
                                         [q.num_tokens - q.num_prompt_tokens for q in sampled])
         return ready + [self._append(seq, t, lp) for seq, t, lp in zip(sampled, tokens, logprobs)]
@@ -164,7 +171,8 @@ class LLMEngine:
 
     def _usage(self, seq: Sequence) -> Usage:
         cached = seq.num_cached_tokens or 0
-        return Usage(seq.num_prompt_tokens, len(seq.output_token_ids), cached, {"device": cached} if cached else {})
+        by_tier = seq.cached_by_tier or ({"device": cached} if cached else {})
+        return Usage(seq.num_prompt_tokens, len(seq.output_token_ids), cached, by_tier)
 
     # -- offline ----------------------------------------------------------------
     def generate(self, prompts: Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -258,10 +266,10 @@ class LLMEngine:
     # -- introspection ----------------------------------------------------------
     def take_cache_events(self) -> list[CacheEvent]:
         """Cache events since the last call, oldest first (empty unless cache.record_events)."""
-        return self.cache.events.take() if self.cache else []
+        return self.cache.events.take() if self.cache is not None else []  # an empty cache is falsy
 
     def stats(self) -> dict:
-        cs = self.cache.stats if self.cache else CacheStats()
+        cs = self.cache.stats if self.cache is not None else CacheStats()
         return {
             "num_blocks": self.pool.num_blocks, "free_blocks": self.pool.num_free,
             "referenced_blocks": self.pool.num_referenced, "cached_blocks": len(self.cache) if self.cache else 0,
@@ -269,7 +277,13 @@ class LLMEngine:
             "prefilled": len(self.prefilled), "reserved": len(self.reservations),
             "preemptions": self.scheduler.num_preemptions,
             "prefix_hit_rate": cs.hit_rate, "evicted_blocks": cs.evicted_blocks,
+            **({"hicache": self.hicache.snapshot()} if self.hicache is not None else {}),
         }
+
+    def close(self) -> None:
+        """Finish pending disk writes and stop the cache tiers' I/O threads."""
+        if self.hicache is not None:
+            self.hicache.close()
 
 
 def check_request(token_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.block_hash import ROOT
 from engine.block_pool import BlockPool
@@ -22,6 +23,14 @@ class RadixNode:
     parent: RadixNode | None
     children: dict[bytes, RadixNode] = field(default_factory=dict)
     last_access: int = 0
+
+
+class TierListener(Protocol):
+    """Lower cache tiers (engine.hicache) follow the device tier through these calls."""
+
+    def on_insert(self, h: bytes, block_id: int) -> None: ...
+    def on_evict(self, blocks: list[tuple[bytes, int]]) -> None:
+        """Called before the evicted blocks are reused, so their bytes can still be read."""
 
 
 @dataclass
@@ -44,6 +53,7 @@ class RadixCache:
         self.by_hash: dict[bytes, RadixNode] = {ROOT: self.root}
         self.by_block: dict[int, RadixNode] = {}
         self.stats = CacheStats()
+        self.listener: TierListener | None = None
         self._clock = 0
         self._unreferenced = 0
         self._heap: list[tuple[int, int, RadixNode]] = []  # (last_access, block_id, node), lazily invalidated
@@ -77,6 +87,8 @@ class RadixCache:
         self.by_hash[h] = node
         self.by_block[block_id] = node
         self.events.record("stored", "device", (h,))
+        if self.listener is not None:
+            self.listener.on_insert(h, block_id)
         return True
 
     # -- Evictor protocol, called by BlockPool --------------------------------------
@@ -96,7 +108,8 @@ class RadixCache:
         return self._unreferenced
 
     def evict(self, n: int) -> list[int]:
-        freed = []
+        freed: list[int] = []
+        gone: list[bytes] = []
         while len(freed) < n and self._heap:
             stamp, block_id, node = heapq.heappop(self._heap)
             if self.by_block.get(block_id) is not node or node.children or self.pool.ref_counts[block_id] > 0:
@@ -110,8 +123,12 @@ class RadixCache:
             del self.by_block[block_id]
             self._unreferenced -= 1
             self.stats.evicted_blocks += 1
-            self.events.record("removed", "device", (node.hash,))
+            gone.append(node.hash)
             freed.append(block_id)
             if parent is not self.root and not parent.children and self.pool.ref_counts[parent.block_id] == 0:
                 heapq.heappush(self._heap, (parent.last_access, parent.block_id, parent))
+        if self.listener is not None and gone:
+            self.listener.on_evict(list(zip(gone, freed)))  # may store them lower before they leave
+        for h in gone:
+            self.events.record("removed", "device", (h,))
         return freed

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine.block_pool import BlockPool
 from engine.config import SchedulerConfig
@@ -28,6 +29,14 @@ class ScheduledSeq:
         return self.seq.num_computed + self.num_new_tokens == self.seq.num_tokens
 
 
+class PrefixLoader(Protocol):
+    """Lower cache tiers (engine.hicache.TierManager) that can extend a device prefix hit."""
+
+    def load_back(self, seq: Sequence, hashes: list[bytes], num_device: int) -> tuple[list[int], dict[str, int]]:
+        """Blocks continuing a referenced device hit of `num_device` blocks, now in the pool,
+        cached and referenced; and the whole hit in blocks per tier."""
+
+
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, pool: BlockPool, cache: RadixCache | None,
                  block_size: int, model_id: str):
@@ -39,6 +48,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.loader: PrefixLoader | None = None  # set when HiCache is on
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -85,12 +95,12 @@ class Scheduler:
     def _schedule_waiting(self, batch: list[ScheduledSeq], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
-            hit = self._match_prefix(seq) if not seq.block_table else []
+            hit, by_tier = self._match_prefix(seq) if not seq.block_table else ([], {})  # referenced
             computed = len(hit) * self.block_size if hit else seq.num_computed
             n = self._chunk(seq, seq.num_tokens - computed, budget)
             if n == 0:
+                self.pool.release(hit)
                 break
-            self.pool.ref(hit)
             need = -(-(computed + n) // self.block_size) - len(hit) - len(seq.block_table)
             if not self.pool.can_allocate(need):
                 self.pool.release(hit)
@@ -101,6 +111,7 @@ class Scheduler:
                 seq.num_registered_blocks = len(hit)
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = computed
+                seq.cached_by_tier = {t: b * self.block_size for t, b in by_tier.items()}
             seq.block_table += self.pool.allocate(need)
             seq.status = SequenceStatus.RUNNING
             self.waiting.popleft()
@@ -115,13 +126,19 @@ class Scheduler:
         # is chunked even when prompts are not.
         return budget if self.cfg.enable_chunked_prefill or seq.num_preemptions else 0
 
-    def _match_prefix(self, seq: Sequence) -> list[int]:
+    def _match_prefix(self, seq: Sequence) -> tuple[list[int], dict[str, int]]:
+        """The cached prefix's blocks, referenced, and where they were found (blocks per tier)."""
         if self.cache is None:
-            return []
+            return [], {}
         hashes = seq.update_block_hashes(self.block_size, self.model_id)
         # Leave at least the last token to compute: its logits give the next token.
         usable = (seq.num_tokens - 1) // self.block_size
-        return self.cache.match(hashes[:usable])
+        hit = self.cache.match(hashes[:usable])
+        self.pool.ref(hit)  # before a load-back allocates: it must not evict these
+        if self.loader is None:
+            return hit, {"device": len(hit)} if hit else {}
+        loaded, by_tier = self.loader.load_back(seq, hashes[:usable], len(hit))
+        return hit + loaded, by_tier
 
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
         return max(0, -(-(seq.num_computed + n) // self.block_size) - len(seq.block_table))

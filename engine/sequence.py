@@ -27,6 +27,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+    cached_by_tier: dict[str, int] = field(default_factory=dict)  # that hit in tokens per tier (hicache)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] | None = None

@@ -137,6 +137,7 @@ class PrefillWorker:
         for decode_id in list(self.channels):
             self.disconnect(decode_id)
         self.loop.stop()
+        self.engine.close()  # after the loop: finishes pending HiCache disk writes
 
 
 def worker_health(worker_id: str, loop: EngineLoop, publisher) -> dict:

@@ -129,6 +129,7 @@ BAD_INPUTS = {
     "chat with token ids": (["--prompt-ids", "1,2", "--chat"], "--chat needs a text prompt"),
     "too few blocks": (["--num-blocks", "1"], "--num-blocks: Input should be greater than or equal to 2"),
     "bad device": (["--device", "gpu"], "argument --device"),
+    "negative hicache budget": (["--hicache", "--hicache-host-bytes", "-1"], "--hicache-host-bytes: Input should be"),
     "no prompt": ([], "one of the arguments --prompt --prompt-ids --prompts-file is required"),
 }
 
@@ -177,6 +178,16 @@ def test_flags_map_to_one_engine_config() -> None:
     assert config.scheduler.max_num_batched_tokens == 256
     defaults = cli.engine_config(cli.build_parser().parse_args(["generate", "--prompt", "x"]))
     assert defaults.cache.num_blocks is None and defaults.cache.block_size == 16
+
+
+def test_generate_with_hicache_tiers(tmp_path: Path, capsys) -> None:
+    cache_dir = tmp_path / "kv"
+    assert cli.main(["generate", "--prompt-ids", ",".join(map(str, range(3, 40))), "--max-tokens", "2", "--json",
+                     "--num-blocks", "64", "--block-size", "4", "--hicache", "--hicache-host-bytes", "0",
+                     "--hicache-disk-dir", str(cache_dir)]) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 2
+    assert cache_dir.stat().st_mode & 0o777 == 0o700
+    assert len(list(cache_dir.glob("*.kv"))) == 9  # host budget 0: every full prompt block went to disk
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["serve", "--help"]])
