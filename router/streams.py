@@ -14,13 +14,19 @@ class OutputStream:
 
     def __init__(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[RequestOutput | Chunk | BaseException] = asyncio.Queue()
+        self._queue: asyncio.Queue[Chunk | BaseException] = asyncio.Queue()
         self.finished = False
         self.aborted = False  # set by abort(), before the engine forgets the request
 
     @property
     def sink(self) -> Sink:
-        return lambda out: self._loop.call_soon_threadsafe(self._queue.put_nowait, out)
+        return self._deliver
+
+    def _deliver(self, out: RequestOutput | Chunk | BaseException) -> None:
+        # Converted here, on the engine's thread: a RequestOutput shares its lists with the live
+        # sequence (logprobs grow every step), so read later it would describe a later step.
+        item = to_chunk(out) if isinstance(out, RequestOutput) else out
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
 
     def end_aborted(self, request_id: str, out: RequestOutput | None) -> None:
         """End an aborted request's stream (the engine's abort output reaches no sink): with
@@ -30,10 +36,9 @@ class OutputStream:
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         while not self.finished:
-            out = await self._queue.get()
-            if isinstance(out, BaseException):
-                raise out
-            chunk = out if isinstance(out, Chunk) else to_chunk(out)
+            chunk = await self._queue.get()
+            if isinstance(chunk, BaseException):
+                raise chunk
             self.finished = chunk.finished
             yield chunk
 
