@@ -1,0 +1,101 @@
+"""A process group of one engine's ranks, built directly on a store (never the global default
+group, so a process may hold several and tear one down without touching the others).
+
+gloo for CPU tensors, NCCL for CUDA ones. Every collective waits at most `timeout_s`; a rank
+that died makes the others fail with GroupFailed instead of hanging.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+from engine.parallel.config import ParallelConfig
+
+
+class GroupFailed(RuntimeError):
+    """A collective timed out or a peer rank is gone; the group is unusable and must be rebuilt."""
+
+
+def make_store(cfg: ParallelConfig) -> dist.Store:
+    url = urlparse(cfg.rendezvous)
+    timeout = timedelta(seconds=cfg.timeout_s)
+    if url.scheme == "file":
+        store = dist.FileStore(url.path, cfg.world_size)
+        store.set_timeout(timeout)
+        return store
+    return dist.TCPStore(url.hostname or "127.0.0.1", url.port or 29510, cfg.world_size,
+                         is_master=cfg.rank == 0, timeout=timeout, wait_for_workers=False)
+
+
+class Group:
+    """The collectives the parallel model and runner need, on `device`'s tensors."""
+
+    def __init__(self, pg: dist.ProcessGroup, device: torch.device, timeout_s: float, store: dist.Store):
+        self.pg, self.device, self.timeout_s = pg, device, timeout_s
+        self.rank, self.size = pg.rank(), pg.size()
+        self._store = store  # the group's sockets were set up through it; keep it alive as long
+        self.closed = False
+
+    @classmethod
+    def create(cls, cfg: ParallelConfig, device: torch.device) -> Group:
+        store = make_store(cfg)
+        timeout = timedelta(seconds=cfg.timeout_s)
+        backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+        if backend == "nccl":
+            if not (device.type == "cuda" and dist.is_nccl_available()):
+                raise ValueError("parallel.backend nccl needs a CUDA device and a torch build with NCCL")
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            pg = dist.ProcessGroupNCCL(store, cfg.rank, cfg.world_size, opts)
+        else:
+            if device.type != "cpu":
+                raise ValueError(f"parallel.backend gloo runs on CPU tensors, the device is {device}")
+            opts = dist.ProcessGroupGloo._Options()
+            opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+            opts._timeout = timeout
+            pg = dist.ProcessGroupGloo(store, cfg.rank, cfg.world_size, opts)
+        group = cls(pg, device, cfg.timeout_s, store)
+        group.barrier()  # connect now, so a missing rank fails here and not mid-forward
+        return group
+
+    def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        self._wait(self.pg.allreduce([t], opts), "all_reduce")
+        return t
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        self._wait(self.pg.allgather([out], [t.contiguous()]), "all_gather")
+        return out
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        self._wait(self.pg.broadcast([t], opts), "broadcast")
+        return t
+
+    def barrier(self) -> None:
+        self.all_reduce(torch.zeros(1, device=self.device))
+
+    def _wait(self, work: dist.Work, what: str) -> None:
+        if self.closed:
+            raise GroupFailed("the group is closed")
+        try:
+            work.wait(timedelta(seconds=self.timeout_s))
+        except RuntimeError as e:
+            self.close()
+            raise GroupFailed(f"{what} on rank {self.rank} of {self.size} failed: {e}") from e
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.pg.shutdown()
+        except RuntimeError:
+            pass  # already torn down by a peer failure
+        self.pg = self._store = None

@@ -1,0 +1,187 @@
+"""Run one engine's model over a group of ranks: rank 0 owns the scheduler and the sampler,
+the other ranks follow.
+
+Each step rank 0 broadcasts an op header (4 int64) and then the op's arguments as one int64
+tensor: explicit integers, never pickle. The batch is sent as what ModelRunner._prepare reads
+(per sequence: computed tokens, new tokens, samples flag, block table and the new token ids),
+so every rank builds the same attention metadata and runs the same forward; the collectives
+inside the model keep them in lock step. Followers block in follow() until STOP.
+
+KV import/export in a group: WRITE_KV broadcasts block ids and the full-head KV and every
+rank keeps its own heads; READ_KV gathers each rank's heads of the blocks back to rank 0.
+WRITE_LOCAL is for KV a rank already received itself (kv_transfer.reshard): only the block
+ids are broadcast and each rank writes the tensor it was handed through stage_local().
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+import torch.distributed as dist
+
+from engine.model_runner import ModelRunner
+from engine.models import CausalLM
+from engine.parallel.group import Group
+from engine.parallel.sharding import ShardPlan, kv_head_range
+
+
+class Op(IntEnum):
+    STOP = 0
+    STEP = 1
+    WRITE_KV = 2
+    READ_KV = 3
+    WRITE_LOCAL = 4
+    PING = 5
+
+
+@dataclass
+class _Window:
+    """token_ids of a follower's sequence: only the ids this step computes, at their positions."""
+
+    start: int
+    ids: list[int]
+
+    def __getitem__(self, s: slice) -> list[int]:
+        return self.ids[s.start - self.start : s.stop - self.start]
+
+
+@dataclass
+class _Seq:
+    token_ids: _Window
+    num_computed: int
+    block_table: list[int]
+
+
+@dataclass
+class _Scheduled:
+    seq: _Seq
+    num_new_tokens: int
+    samples: bool
+
+
+def encode_batch(batch, block_size: int) -> list[int]:
+    out = [len(batch)]
+    for s in batch:
+        start, n = s.seq.num_computed, s.num_new_tokens
+        table = s.seq.block_table[: -(-(start + n) // block_size)]
+        out += [start, n, int(s.samples), len(table), *s.seq.token_ids[start : start + n], *table]
+    return out
+
+
+def decode_batch(flat: list[int]) -> list[_Scheduled]:
+    batch, i = [], 1
+    for _ in range(flat[0]):
+        start, n, samples, nb = flat[i : i + 4]
+        i += 4
+        ids, table = flat[i : i + n], flat[i + n : i + n + nb]
+        i += n + nb
+        batch.append(_Scheduled(_Seq(_Window(start, ids), start, table), n, bool(samples)))
+    return batch
+
+
+class ParallelModelRunner(ModelRunner):
+    """A ModelRunner whose pool holds this rank's KV heads; run/read/write drive the group."""
+
+    def __init__(self, model: CausalLM, plan: ShardPlan, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device, group: Group):
+        super().__init__(model, plan.local_config(), num_blocks, block_size, dtype, device)
+        self.plan, self.group = plan, group
+        self._staged: torch.Tensor | None = None
+
+    @property
+    def is_leader(self) -> bool:
+        return self.group.rank == 0
+
+    # -- rank 0 ---------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, batch) -> torch.Tensor:
+        self._send(Op.STEP, encode_batch(batch, self.block_size))
+        return super().run(batch)
+
+    def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        """kv: (2, L, nb, bs, Hkv_total, hd), on rank 0; each rank keeps its heads."""
+        self._send(Op.WRITE_KV, block_ids)
+        self._write_full(block_ids, kv.to(self.device, self.kv_cache.dtype).contiguous())
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """All KV heads of these blocks, gathered to rank 0: (2, L, nb, bs, Hkv_total, hd)."""
+        self._send(Op.READ_KV, block_ids)
+        return self._read_full(block_ids)
+
+    def write_local(self, block_ids: list[int]) -> None:
+        """Every rank writes the KV it staged with stage_local() into these blocks."""
+        self._send(Op.WRITE_LOCAL, block_ids)
+        self._write_staged(block_ids)
+
+    def ping(self) -> None:
+        """Keeps idle followers inside their timeout; fails fast if a rank is gone."""
+        self._send(Op.PING, [])
+
+    def stop_followers(self) -> None:
+        if not self.group.closed:
+            self._send(Op.STOP, [])
+
+    def _send(self, op: Op, args: list[int]) -> None:
+        self.group.broadcast(torch.tensor([int(op), len(args), 0, 0], dtype=torch.long, device=self.device))
+        if args:
+            self.group.broadcast(torch.tensor(args, dtype=torch.long, device=self.device))
+
+    # -- every rank -------------------------------------------------------------
+    def stage_local(self, kv: torch.Tensor) -> None:
+        """Hand this rank the KV (2, L, nb, bs, Hkv_local, hd) for the next WRITE_LOCAL."""
+        self._staged = kv
+
+    def follow(self) -> None:
+        """A follower's loop: run what rank 0 broadcasts until STOP (or the group fails)."""
+        header = torch.empty(4, dtype=torch.long, device=self.device)
+        while True:
+            self.group.broadcast(header)
+            op, n = Op(int(header[0])), int(header[1])
+            args: list[int] = []
+            if n:
+                args = self.group.broadcast(torch.empty(n, dtype=torch.long, device=self.device)).tolist()
+            if op is Op.STOP:
+                return
+            if op is Op.STEP:
+                with torch.inference_mode():
+                    ModelRunner.run(self, decode_batch(args))
+            elif op is Op.WRITE_KV:
+                self._write_full(args, None)
+            elif op is Op.READ_KV:
+                self._read_full(args)
+            elif op is Op.WRITE_LOCAL:
+                self._write_staged(args)
+
+    def _write_full(self, block_ids: list[int], kv: torch.Tensor | None) -> None:
+        cfg = self.plan.cfg
+        shape = (2, cfg.num_layers, len(block_ids), self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        if kv is None:
+            kv = torch.empty(shape, dtype=self.kv_cache.dtype, device=self.device)
+        self.group.broadcast(kv)
+        first, count = self.plan.kv_heads
+        super().write_blocks(block_ids, kv[..., first : first + count, :])
+
+    def _read_full(self, block_ids: list[int]) -> torch.Tensor:
+        if self.plan.tp_size == 1:  # EP only: every rank holds every head
+            return super().read_blocks(block_ids)
+        parts = self.group.all_gather(super().read_blocks(block_ids))  # tp x (2, L, nb, bs, Hkv_local, hd)
+        cfg = self.plan.cfg
+        heads: dict[int, torch.Tensor] = {}
+        for rank, part in enumerate(parts):  # replicated heads (Hkv < tp) are taken once
+            first, count = kv_head_range(cfg.num_heads, cfg.num_kv_heads, self.plan.tp_size, rank)
+            for h in range(count):
+                heads.setdefault(first + h, part[..., h : h + 1, :])
+        return torch.cat([heads[h] for h in range(cfg.num_kv_heads)], dim=-2)
+
+    def _write_staged(self, block_ids: list[int]) -> None:
+        kv, self._staged = self._staged, None
+        if kv is None:
+            raise RuntimeError("WRITE_LOCAL without a staged KV tensor on this rank")
+        super().write_blocks(block_ids, kv)
+
+
+def agree_num_blocks(group: Group, num_blocks: int, device: torch.device) -> int:
+    """Every rank's pool must have the same blocks (rank 0 allocates for all): the smallest."""
+    t = torch.tensor([num_blocks], dtype=torch.long, device=device)
+    return int(group.all_reduce(t, dist.ReduceOp.MIN).item())
