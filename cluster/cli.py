@@ -47,6 +47,7 @@ examples:
   brigade serve                                   # tiny preset, 1 prefill + 1 decode, http://127.0.0.1:8000
   brigade serve --prefill 2 --decode 2 --http-port 9000
   brigade serve --mode colocated --decode 2       # 2 mixed workers (prefill + decode in one engine)
+  brigade serve --prefill-tp 1 --decode-tp 2      # each decode worker: 2 tensor-parallel ranks
   brigade serve --config cluster.yaml --num-blocks 4096    # a config file, one field overridden
   brigade serve --ray-address 10.0.0.5:6379 --redis-url redis://10.0.0.6:6379/0   # join a running Ray cluster
   curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
@@ -61,6 +62,8 @@ SERVE_FLAGS = {
     ("engine", "dtype"): "--dtype", ("engine", "device"): "--device", ("engine", "block_size"): "--block-size",
     ("engine", "num_blocks"): "--num-blocks", ("engine", "max_num_batched_tokens"): "--max-num-batched-tokens",
     ("engine", "max_num_seqs"): "--max-num-seqs", ("engine", "max_model_len"): "--max-model-len",
+    ("parallel", "prefill_tp"): "--prefill-tp", ("parallel", "decode_tp"): "--decode-tp",
+    ("parallel", "decode_ep"): "--decode-ep",
 }
 CONFIG_FLAGS = {
     ("model",): "--model", ("dtype",): "--dtype", ("device",): "--device", ("seed",): "--seed",
@@ -175,6 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--mode", choices=["disaggregated", "colocated"],
                    help="disaggregated (default): prefill and decode on separate workers, KV moved "
                         "between them; colocated: each worker runs whole requests")
+    c.add_argument("--prefill-tp", type=int, metavar="K", help="tensor-parallel ranks per prefill worker (default 1)")
+    c.add_argument("--decode-tp", type=int, metavar="K",
+                   help="tensor-parallel ranks per decode worker (default 1): K actors placed together")
+    c.add_argument("--decode-ep", type=int, metavar="K",
+                   help="expert-parallel ranks per decode worker, MoE models (default 1; with --decode-tp: equal)")
     c.add_argument("--ray-address", metavar="ADDR", help="join this Ray cluster (default: start Ray locally)")
     c.add_argument("--redis-url", metavar="URL",
                    help="Redis for worker registration, redis://[:PASSWORD@]HOST:PORT/DB "
@@ -220,6 +228,7 @@ def cluster_config(args: argparse.Namespace):
         "engine": {"dtype": args.dtype, "device": args.device, "block_size": args.block_size,
                    "num_blocks": args.num_blocks, "max_num_batched_tokens": args.max_num_batched_tokens,
                    "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len},
+        "parallel": {"prefill_tp": args.prefill_tp, "decode_tp": args.decode_tp, "decode_ep": args.decode_ep},
     }
     try:
         return load_config(args.config, overrides)

@@ -8,6 +8,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from cluster.parallel_config import WorkerParallelism
 from engine import CacheConfig, EngineConfig, SchedulerConfig
 from kv_transfer import TransferConfig
 from router.config import FrontDoorConfig, RouterConfig
@@ -44,6 +45,7 @@ class ClusterConfig(_Frozen):
     router: RouterConfig = RouterConfig()
     frontdoor: FrontDoorConfig = FrontDoorConfig()
     transfer: TransferConfig = TransferConfig()
+    parallel: WorkerParallelism = WorkerParallelism()
 
     @model_validator(mode="after")
     def _check(self) -> ClusterConfig:
@@ -58,6 +60,11 @@ class ClusterConfig(_Frozen):
     @property
     def num_prefill(self) -> int:
         return 0 if self.mode == "colocated" else self.prefill
+
+    @property
+    def num_ranks(self) -> int:
+        """Processes all workers take together (a TP/EP worker is one per rank)."""
+        return self.num_prefill * self.parallel.ranks("prefill") + self.decode * self.parallel.ranks("decode")
 
     def engine_config(self, num_threads: int | None) -> EngineConfig:
         e = self.engine

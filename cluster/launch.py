@@ -10,6 +10,7 @@ import ray
 
 from cluster.config import ClusterConfig, cpu_budget
 from decode_worker.actor import DecodeActor
+from decode_worker.group import Group, start_group, stop_group
 from engine import Role
 from prefill_worker.actor import PrefillActor
 from router.actor import RouterActor
@@ -85,19 +86,30 @@ class Cluster:
     cfg: ClusterConfig
     router: object
     workers: dict[str, object] = field(default_factory=dict)  # worker id -> actor handle
+    groups: dict[str, Group] = field(default_factory=dict)  # worker id -> its ranks, for TP/EP workers
 
     def add_worker(self, role: str) -> str:
         """Start one more worker and hand it to the router (which pairs it with its peers)."""
         cfg = self.cfg
-        place = placements(cfg, max(1, cfg.num_prefill + cfg.decode))
+        place = placements(cfg, max(1, cfg.num_ranks))
         engine_cfg = cfg.engine_config(place.num_threads)
         worker_id = f"{role}-{sum(w.startswith(role + '-') for w in self.workers)}"
-        opts = {**place.options, "name": worker_id, "max_concurrency": 1000}
-        if role == "prefill":
-            handle = PrefillActor.options(**opts).remote(worker_id, engine_cfg, cfg.transfer)
-        else:
+
+        def start(engine_cfg, options: dict):
+            opts = {**options, "name": worker_id, "max_concurrency": 1000}
+            if role == "prefill":
+                return PrefillActor.options(**opts).remote(worker_id, engine_cfg, cfg.transfer)
             engine_role = Role.MIXED if role == "mixed" else Role.DECODE
-            handle = DecodeActor.options(**opts).remote(worker_id, engine_cfg, cfg.transfer, engine_role)
+            return DecodeActor.options(**opts).remote(worker_id, engine_cfg, cfg.transfer, engine_role)
+
+        tp, ep = cfg.parallel.sizes(role)
+        if max(tp, ep) > 1:
+            bundle = {"GPU": 1} if "num_gpus" in place.options else {"CPU": place.options["num_cpus"]}
+            group = start_group(worker_id, start, engine_cfg, tp, ep, bundle, cfg.host, cfg.parallel.timeout_s)
+            self.groups[worker_id] = group
+            handle = group.leader
+        else:
+            handle = start(engine_cfg, place.options)
         ray.get(handle.health.remote())  # surfaces a failed start (bad model path, ...) here
         ray.get(self.router.add_worker.remote(role, worker_id, handle))
         self.workers[worker_id] = handle
@@ -113,8 +125,11 @@ class Cluster:
             except Exception as exc:  # already dead: nothing to drain
                 log.warning("worker shutdown: %s", exc)
             ray.kill(handle)
+        for group in self.groups.values():
+            stop_group(group)
         ray.kill(self.router)
         self.workers.clear()
+        self.groups.clear()
 
 
 def launch(cfg: ClusterConfig) -> Cluster:

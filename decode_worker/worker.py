@@ -30,7 +30,8 @@ class DecodeWorker:
         self.worker_id = worker_id
         self.engine = LLMEngine(engine_cfg.model_copy(update={"role": role}))
         self.loop = EngineLoop(self.engine, name=f"{worker_id}-engine").start()
-        self.layout = KVLayout.from_kv_cache(self.engine.model_id, self.engine.runner.kv_cache)
+        self.layout = KVLayout.of_model(self.engine.model_id, self.engine.runner.kv_cache,
+                                        self.engine.model_config.num_kv_heads)
         self.transfer_cfg = transfer_cfg
         self.server = TransferServer(transfer_cfg)
         self.channels: dict[str, ReceiverChannel] = {}  # by prefill worker id
@@ -152,7 +153,7 @@ class DecodeWorker:
         return self.loop.abort(request_id).result()
 
     def health(self) -> dict:
-        return {"worker_id": self.worker_id, **self.loop.health()}
+        return {"worker_id": self.worker_id, **self.loop.health(), **self.engine.runner.health()}
 
     def stats(self) -> dict:
         return self.loop.call(lambda e: e.stats()).result() | {"channels": sorted(self.channels)}
@@ -162,3 +163,4 @@ class DecodeWorker:
             self.drop_channel(prefill_id)
         self.server.close()
         self.loop.stop()
+        self.engine.runner.close()

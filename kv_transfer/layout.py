@@ -29,6 +29,12 @@ class KVLayout:
         _, layers, _, block_size, heads, head_dim = kv_cache.shape
         return cls(model_id, layers, heads, head_dim, block_size, kv_cache.dtype)
 
+    @classmethod
+    def of_model(cls, model_id: str, kv_cache: torch.Tensor, num_kv_heads: int) -> KVLayout:
+        """The whole model's layout, from an engine's KV cache that may hold only a TP rank's heads."""
+        _, layers, _, block_size, _, head_dim = kv_cache.shape
+        return cls(model_id, layers, num_kv_heads, head_dim, block_size, kv_cache.dtype)
+
 
 @dataclass(frozen=True)
 class HeadShard:

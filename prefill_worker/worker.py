@@ -23,7 +23,8 @@ class PrefillWorker:
         self.worker_id = worker_id
         self.engine = LLMEngine(engine_cfg.model_copy(update={"role": Role.PREFILL}))
         self.loop = EngineLoop(self.engine, name=f"{worker_id}-engine").start()
-        self.layout = KVLayout.from_kv_cache(self.engine.model_id, self.engine.runner.kv_cache)
+        self.layout = KVLayout.of_model(self.engine.model_id, self.engine.runner.kv_cache,
+                                        self.engine.model_config.num_kv_heads)
         self.transfer_cfg = transfer_cfg
         self.channels: dict[str, SenderChannel] = {}
         # One thread per channel: sends leave in the order decode workers pulled them.
@@ -119,7 +120,7 @@ class PrefillWorker:
         self.channels[decode_id].corrupt_next_payload = True
 
     def health(self) -> dict:
-        return {"worker_id": self.worker_id, **self.loop.health()}
+        return {"worker_id": self.worker_id, **self.loop.health(), **self.engine.runner.health()}
 
     def stats(self) -> dict:
         return self.loop.call(lambda e: e.stats()).result() | {
@@ -129,3 +130,4 @@ class PrefillWorker:
         for decode_id in list(self.channels):
             self.disconnect(decode_id)
         self.loop.stop()
+        self.engine.runner.close()

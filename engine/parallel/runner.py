@@ -6,6 +6,10 @@ tensor: explicit integers, never pickle. The batch is sent as what ModelRunner._
 (per sequence: computed tokens, new tokens, samples flag, block table and the new token ids),
 so every rank builds the same attention metadata and runs the same forward; the collectives
 inside the model keep them in lock step. Followers block in follow() until STOP.
+Rank 0 sends each op and its collectives under one lock, so ops from different threads (the
+engine step, a KV write from a receiving thread, the keepalive) never interleave; while idle
+it sends PING every timeout_s/4, so followers wait within their bounded timeout and a rank
+that died is noticed (healthy turns False) even without traffic.
 
 KV import/export in a group: WRITE_KV broadcasts block ids and the full-head KV and every
 rank keeps its own heads; READ_KV gathers each rank's heads of the blocks back to rank 0.
@@ -14,6 +18,9 @@ ids are broadcast and each rank writes the tensor it was handed through stage_lo
 """
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -22,7 +29,7 @@ import torch.distributed as dist
 
 from engine.model_runner import ModelRunner
 from engine.models import CausalLM
-from engine.parallel.group import Group
+from engine.parallel.group import Group, GroupFailed
 from engine.parallel.sharding import ShardPlan, kv_head_range
 
 
@@ -88,6 +95,26 @@ class ParallelModelRunner(ModelRunner):
         super().__init__(model, plan.local_config(), num_blocks, block_size, dtype, device)
         self.plan, self.group = plan, group
         self._staged: torch.Tensor | None = None
+        self._lock = threading.Lock()
+        self._last_op = time.monotonic()
+        self._keepalive: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and not self.group.closed
+
+    def health(self) -> dict:
+        report = {"tp_size": self.plan.tp_size, "ep_size": self.plan.ep_size}
+        if not self.healthy:  # a partial group must get no traffic
+            report |= {"alive": False, "error": f"parallel group down: {self.error!r}"}
+        return report
+
+    def close(self) -> None:
+        if self.is_leader:
+            self.stop_followers()
+        else:
+            self.group.close()
 
     @property
     def is_leader(self) -> bool:
@@ -96,36 +123,68 @@ class ParallelModelRunner(ModelRunner):
     # -- rank 0 ---------------------------------------------------------------
     @torch.inference_mode()
     def run(self, batch) -> torch.Tensor:
-        self._send(Op.STEP, encode_batch(batch, self.block_size))
-        return super().run(batch)
+        with self._op(Op.STEP, encode_batch(batch, self.block_size)):
+            return super().run(batch)
 
     def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
         """kv: (2, L, nb, bs, Hkv_total, hd), on rank 0; each rank keeps its heads."""
-        self._send(Op.WRITE_KV, block_ids)
-        self._write_full(block_ids, kv.to(self.device, self.kv_cache.dtype).contiguous())
+        with self._op(Op.WRITE_KV, block_ids):
+            self._write_full(block_ids, kv.to(self.device, self.kv_cache.dtype).contiguous())
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """All KV heads of these blocks, gathered to rank 0: (2, L, nb, bs, Hkv_total, hd)."""
-        self._send(Op.READ_KV, block_ids)
-        return self._read_full(block_ids)
+        with self._op(Op.READ_KV, block_ids):
+            return self._read_full(block_ids)
 
     def write_local(self, block_ids: list[int]) -> None:
         """Every rank writes the KV it staged with stage_local() into these blocks."""
-        self._send(Op.WRITE_LOCAL, block_ids)
-        self._write_staged(block_ids)
+        with self._op(Op.WRITE_LOCAL, block_ids):
+            self._write_staged(block_ids)
 
     def ping(self) -> None:
         """Keeps idle followers inside their timeout; fails fast if a rank is gone."""
-        self._send(Op.PING, [])
+        with self._op(Op.PING, []):
+            pass
+
+    def start_keepalive(self) -> ParallelModelRunner:
+        self._keepalive = threading.Thread(target=self._keep_alive, name="parallel-keepalive", daemon=True)
+        self._keepalive.start()
+        return self
 
     def stop_followers(self) -> None:
-        if not self.group.closed:
-            self._send(Op.STOP, [])
+        """Release the followers (they return from follow()) and close the group."""
+        if self.healthy:
+            with self._op(Op.STOP, []):
+                pass
+        self.group.close()
 
-    def _send(self, op: Op, args: list[int]) -> None:
-        self.group.broadcast(torch.tensor([int(op), len(args), 0, 0], dtype=torch.long, device=self.device))
-        if args:
-            self.group.broadcast(torch.tensor(args, dtype=torch.long, device=self.device))
+    @contextlib.contextmanager
+    def _op(self, op: Op, args: list[int]):
+        with self._lock:
+            if self.group.closed:
+                raise GroupFailed(f"the parallel group is down: {self.error!r}")
+            try:
+                self.group.broadcast(torch.tensor([int(op), len(args), 0, 0], dtype=torch.long,
+                                                  device=self.device))
+                if args:
+                    self.group.broadcast(torch.tensor(args, dtype=torch.long, device=self.device))
+                yield
+            except BaseException as exc:
+                self.error = self.error or exc
+                self.group.close()  # a half-done op leaves the ranks out of step: never reuse
+                raise
+            finally:
+                self._last_op = time.monotonic()
+
+    def _keep_alive(self) -> None:
+        period = self.group.timeout_s / 4
+        while not self.group.closed:
+            time.sleep(min(period, 1.0))
+            if time.monotonic() - self._last_op >= period:
+                try:
+                    self.ping()
+                except Exception:
+                    return  # recorded in self.error; healthy is False from now on
 
     # -- every rank -------------------------------------------------------------
     def stage_local(self, kv: torch.Tensor) -> None:
@@ -134,24 +193,29 @@ class ParallelModelRunner(ModelRunner):
 
     def follow(self) -> None:
         """A follower's loop: run what rank 0 broadcasts until STOP (or the group fails)."""
-        header = torch.empty(4, dtype=torch.long, device=self.device)
-        while True:
-            self.group.broadcast(header)
-            op, n = Op(int(header[0])), int(header[1])
-            args: list[int] = []
-            if n:
-                args = self.group.broadcast(torch.empty(n, dtype=torch.long, device=self.device)).tolist()
-            if op is Op.STOP:
-                return
-            if op is Op.STEP:
-                with torch.inference_mode():
-                    ModelRunner.run(self, decode_batch(args))
-            elif op is Op.WRITE_KV:
-                self._write_full(args, None)
-            elif op is Op.READ_KV:
-                self._read_full(args)
-            elif op is Op.WRITE_LOCAL:
-                self._write_staged(args)
+        try:
+            while self._follow_one():
+                pass
+        except BaseException as exc:
+            self.error = exc
+            raise
+        finally:
+            self.group.close()
+
+    def _follow_one(self) -> bool:
+        header = self.group.broadcast(torch.empty(4, dtype=torch.long, device=self.device))
+        op, n = Op(int(header[0])), int(header[1])
+        args = self.group.broadcast(torch.empty(n, dtype=torch.long, device=self.device)).tolist() if n else []
+        if op is Op.STEP:
+            with torch.inference_mode():
+                ModelRunner.run(self, decode_batch(args))
+        elif op is Op.WRITE_KV:
+            self._write_full(args, None)
+        elif op is Op.READ_KV:
+            self._read_full(args)
+        elif op is Op.WRITE_LOCAL:
+            self._write_staged(args)
+        return op is not Op.STOP
 
     def _write_full(self, block_ids: list[int], kv: torch.Tensor | None) -> None:
         cfg = self.plan.cfg

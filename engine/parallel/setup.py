@@ -22,7 +22,8 @@ def build_parallel_runner(parallel: ParallelConfig, cache: CacheConfig, path: Pa
     try:
         model = load_parallel_model(path, plan, dtype, device, group)
         blocks = agree_num_blocks(group, kv_cache_blocks(cache, plan.local_config(), dtype, device), device)
-        return ParallelModelRunner(model, plan, blocks, cache.block_size, dtype, device, group)
+        runner = ParallelModelRunner(model, plan, blocks, cache.block_size, dtype, device, group)
+        return runner.start_keepalive() if runner.is_leader else runner
     except BaseException:
         group.close()
         raise
