@@ -82,11 +82,16 @@ def check_header(h: TransferHeader, layout: KVLayout, shard: HeadShard,
                               f"(layers, kv_heads, head_dim, block_size) {got}, expected {want}")
     if h.dtype != layout.dtype:
         return LayoutMismatch(RefuseReason.DTYPE, f"dtype {h.dtype}, expected {layout.dtype}")
-    if (h.head_start, h.head_count) != (shard.head_start, shard.head_count):
-        # Re-sharding between different TP sizes is a later step; until then ranges must match.
+    from kv_transfer.reshard import is_planned  # reshard builds on HeadShard, defined here
+
+    sender = HeadShard(h.tp_size, h.tp_rank, h.head_start, h.head_count)
+    same = (h.head_start, h.head_count) == (shard.head_start, shard.head_count)
+    if not (same or is_planned(layout.num_kv_heads, sender, shard)):
+        # Between different TP sizes only the pieces reshard.plan assigns this rank may come in.
         return LayoutMismatch(RefuseReason.HEAD_RANGE,
-                              f"heads [{h.head_start}, {h.head_start + h.head_count}), this receiver holds "
-                              f"[{shard.head_start}, {shard.head_start + shard.head_count})")
+                              f"heads [{h.head_start}, {h.head_start + h.head_count}) from rank {h.tp_rank} of "
+                              f"TP {h.tp_size}: not a piece for rank {shard.tp_rank} of TP {shard.tp_size}, which "
+                              f"holds [{shard.head_start}, {shard.head_start + shard.head_count})")
     if h.checksum_algo == ChecksumAlgo.XXH3_64 and device.type != "cpu":
         return LayoutMismatch(RefuseReason.CHECKSUM_ALGO, f"XXH3_64 cannot be checked on {device} in place")
     return None

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,15 +31,20 @@ def run_group(model: Path, tmp: Path, prompts: list[list[int]], *, tp: int = 1, 
                              "timeout_s": 60}}
         procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests" / "parallel_rank.py"), json.dumps(args)],
                                       env=rank_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=timeout_s)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    codes = [p.returncode for p in procs]
-    assert codes == [0] * world, f"rank exit codes {codes}:\n" + "\n---\n".join(logs)
+    finish(procs, timeout_s)
     return json.loads(out.read_text())
+
+
+def finish(procs: list[subprocess.Popen], timeout_s: float = 90) -> None:
+    """Wait for every rank; on a failure or a hang kill the rest and fail with all their logs."""
+    deadline = time.monotonic() + timeout_s
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.returncode not in (None, 0) for p in procs):
+            break  # one rank failed: the others would only wait out their timeouts
+        time.sleep(0.1)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    logs = [p.communicate()[0] for p in procs]
+    codes = [p.returncode for p in procs]
+    assert codes == [0] * len(procs), f"rank exit codes {codes}:\n" + "\n---\n".join(logs)

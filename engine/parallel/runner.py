@@ -11,16 +11,21 @@ engine step, a KV write from a receiving thread, the keepalive) never interleave
 it sends PING every timeout_s/4, so followers wait within their bounded timeout and a rank
 that died is noticed (healthy turns False) even without traffic.
 
-KV import/export in a group: WRITE_KV broadcasts block ids and the full-head KV and every
-rank keeps its own heads; READ_KV gathers each rank's heads of the blocks back to rank 0.
-WRITE_LOCAL is for KV a rank already received itself (kv_transfer.reshard): only the block
-ids are broadcast and each rank writes the tensor it was handed through stage_local().
+KV import/export in a group, two ways:
+- through rank 0: WRITE_KV broadcasts block ids and the full-head KV and every rank keeps
+  its own heads; READ_KV gathers each rank's heads of the blocks back to rank 0.
+- rank by rank (kv_transfer.reshard, each rank its own transfer pairs): WRITE_LOCAL
+  broadcasts the request (id as UTF-8 bytes, token count, block ids) and every follower
+  takes its heads from its `receive_local` hook and writes them; READ_LOCAL has every rank
+  read its own heads and hand them to its `send_local` hook. Both end with an all-reduce of
+  failures, so a rank whose transfer failed fails the request (LocalKVFailed), not the group.
 """
 from __future__ import annotations
 
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -40,6 +45,11 @@ class Op(IntEnum):
     READ_KV = 3
     WRITE_LOCAL = 4
     PING = 5
+    READ_LOCAL = 6
+
+
+class LocalKVFailed(RuntimeError):
+    """A rank could not receive or send its KV heads of a request; the group is still fine."""
 
 
 @dataclass
@@ -94,7 +104,12 @@ class ParallelModelRunner(ModelRunner):
                  device: torch.device, group: Group):
         super().__init__(model, plan.local_config(), num_blocks, block_size, dtype, device)
         self.plan, self.group = plan, group
-        self._staged: torch.Tensor | None = None
+        # A follower's owner sets these for rank-by-rank KV transfer (see the module doc):
+        # receive_local(request_id, num_tokens) -> this rank's KV (2, L, nb, bs, Hkv_local, hd);
+        # send_local(request_id, num_tokens, kv) sends it on.
+        self.receive_local: Callable[[str, int], torch.Tensor] | None = None
+        self.send_local: Callable[[str, int, torch.Tensor], None] | None = None
+        self.last_local_error: BaseException | None = None
         self._lock = threading.Lock()
         self._last_op = time.monotonic()
         self._keepalive: threading.Thread | None = None
@@ -136,10 +151,19 @@ class ParallelModelRunner(ModelRunner):
         with self._op(Op.READ_KV, block_ids):
             return self._read_full(block_ids)
 
-    def write_local(self, block_ids: list[int]) -> None:
-        """Every rank writes the KV it staged with stage_local() into these blocks."""
-        with self._op(Op.WRITE_LOCAL, block_ids):
-            self._write_staged(block_ids)
+    def write_local(self, request_id: str, num_tokens: int, block_ids: list[int], kv: torch.Tensor) -> None:
+        """Write rank 0's heads `kv` into the blocks while every follower writes the heads its
+        receive_local hook returns. LocalKVFailed if any rank failed (nothing is usable then)."""
+        with self._op(Op.WRITE_LOCAL, _request_args(request_id, num_tokens, block_ids)):
+            self._all_ok(lambda: super(ParallelModelRunner, self).write_blocks(block_ids, kv), "receive")
+
+    def read_local(self, request_id: str, num_tokens: int, block_ids: list[int]) -> torch.Tensor:
+        """Rank 0's heads of the blocks, while every follower reads its own and hands them to its
+        send_local hook. LocalKVFailed if a follower failed to send."""
+        with self._op(Op.READ_LOCAL, _request_args(request_id, num_tokens, block_ids)):
+            out: list[torch.Tensor] = []
+            self._all_ok(lambda: out.append(super(ParallelModelRunner, self).read_blocks(block_ids)), "send")
+            return out[0]
 
     def ping(self) -> None:
         """Keeps idle followers inside their timeout; fails fast if a rank is gone."""
@@ -169,6 +193,8 @@ class ParallelModelRunner(ModelRunner):
                 if args:
                     self.group.broadcast(torch.tensor(args, dtype=torch.long, device=self.device))
                 yield
+            except LocalKVFailed:
+                raise  # the ranks agreed on it: still in step
             except BaseException as exc:
                 self.error = self.error or exc
                 self.group.close()  # a half-done op leaves the ranks out of step: never reuse
@@ -187,10 +213,6 @@ class ParallelModelRunner(ModelRunner):
                     return  # recorded in self.error; healthy is False from now on
 
     # -- every rank -------------------------------------------------------------
-    def stage_local(self, kv: torch.Tensor) -> None:
-        """Hand this rank the KV (2, L, nb, bs, Hkv_local, hd) for the next WRITE_LOCAL."""
-        self._staged = kv
-
     def follow(self) -> None:
         """A follower's loop: run what rank 0 broadcasts until STOP (or the group fails)."""
         try:
@@ -214,7 +236,11 @@ class ParallelModelRunner(ModelRunner):
         elif op is Op.READ_KV:
             self._read_full(args)
         elif op is Op.WRITE_LOCAL:
-            self._write_staged(args)
+            rid, n, blocks = _parse_request_args(args)
+            self._all_ok(lambda: ModelRunner.write_blocks(self, blocks, self.receive_local(rid, n)), "receive")
+        elif op is Op.READ_LOCAL:
+            rid, n, blocks = _parse_request_args(args)
+            self._all_ok(lambda: self.send_local(rid, n, ModelRunner.read_blocks(self, blocks)), "send")
         return op is not Op.STOP
 
     def _write_full(self, block_ids: list[int], kv: torch.Tensor | None) -> None:
@@ -238,11 +264,26 @@ class ParallelModelRunner(ModelRunner):
                 heads.setdefault(first + h, part[..., h : h + 1, :])
         return torch.cat([heads[h] for h in range(cfg.num_kv_heads)], dim=-2)
 
-    def _write_staged(self, block_ids: list[int]) -> None:
-        kv, self._staged = self._staged, None
-        if kv is None:
-            raise RuntimeError("WRITE_LOCAL without a staged KV tensor on this rank")
-        super().write_blocks(block_ids, kv)
+    def _all_ok(self, work: Callable[[], object], what: str) -> None:
+        """Run this rank's part, then agree with the others on whether every rank succeeded."""
+        failed = 0
+        try:
+            work()
+        except Exception as exc:  # this rank's transfer failed: report it, keep the group
+            failed, self.last_local_error = 1, exc
+        count = torch.tensor([failed], dtype=torch.long, device=self.device)
+        if int(self.group.all_reduce(count).item()) and self.is_leader:  # a follower just goes on
+            raise LocalKVFailed(f"{int(count.item())} rank(s) failed to {what} their KV heads")
+
+
+def _request_args(request_id: str, num_tokens: int, block_ids: list[int]) -> list[int]:
+    rid = list(request_id.encode("utf-8"))
+    return [num_tokens, len(rid), *rid, *block_ids]
+
+
+def _parse_request_args(args: list[int]) -> tuple[str, int, list[int]]:
+    n, k = args[0], args[1]
+    return bytes(args[2 : 2 + k]).decode("utf-8"), n, args[2 + k :]
 
 
 def agree_num_blocks(group: Group, num_blocks: int, device: torch.device) -> int:
