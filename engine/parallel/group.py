@@ -6,6 +6,8 @@ that died makes the others fail with GroupFailed instead of hanging.
 """
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from urllib.parse import urlparse
 
@@ -38,6 +40,9 @@ class Group:
         self.rank, self.size = pg.rank(), pg.size()
         self._store = store  # the group's sockets were set up through it; keep it alive as long
         self.closed = False
+        # Seconds spent waiting in collectives (the transfer plus any wait for a slower rank),
+        # and their count: benchmarks read these for the communication share of a step.
+        self.comm_s, self.comm_calls = 0.0, 0
 
     @classmethod
     def create(cls, cfg: ParallelConfig, device: torch.device) -> Group:
@@ -64,31 +69,35 @@ class Group:
     def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
-        self._wait(self.pg.allreduce([t], opts), "all_reduce")
+        self._run(lambda: self.pg.allreduce([t], opts), "all_reduce")
         return t
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         out = [torch.empty_like(t) for _ in range(self.size)]
-        self._wait(self.pg.allgather([out], [t.contiguous()]), "all_gather")
+        self._run(lambda: self.pg.allgather([out], [t.contiguous()]), "all_gather")
         return out
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
-        self._wait(self.pg.broadcast([t], opts), "broadcast")
+        self._run(lambda: self.pg.broadcast([t], opts), "broadcast")
         return t
 
     def barrier(self) -> None:
         self.all_reduce(torch.zeros(1, device=self.device))
 
-    def _wait(self, work: dist.Work, what: str) -> None:
+    def _run(self, post: Callable[[], dist.Work], what: str) -> None:
+        """Post one collective and wait for it, at most timeout_s."""
         if self.closed:
             raise GroupFailed("the group is closed")
+        start = time.perf_counter()
         try:
-            work.wait(timedelta(seconds=self.timeout_s))
+            post().wait(timedelta(seconds=self.timeout_s))
         except RuntimeError as e:
             self.close()
             raise GroupFailed(f"{what} on rank {self.rank} of {self.size} failed: {e}") from e
+        self.comm_s += time.perf_counter() - start
+        self.comm_calls += 1
 
     def close(self) -> None:
         if self.closed:
