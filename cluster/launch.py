@@ -87,13 +87,14 @@ class Cluster:
     router: object
     workers: dict[str, object] = field(default_factory=dict)  # worker id -> actor handle
     groups: dict[str, Group] = field(default_factory=dict)  # worker id -> its ranks, for TP/EP workers
+    retired: list[str] = field(default_factory=list)  # replaced workers' ids, never reused
 
     def add_worker(self, role: str) -> str:
         """Start one more worker and hand it to the router (which pairs it with its peers)."""
         cfg = self.cfg
         place = placements(cfg, max(1, cfg.num_ranks))
         engine_cfg = cfg.engine_config(place.num_threads)
-        worker_id = f"{role}-{sum(w.startswith(role + '-') for w in self.workers)}"
+        worker_id = f"{role}-{sum(w.startswith(role + '-') for w in [*self.workers, *self.retired])}"
 
         def start(engine_cfg, options: dict):
             opts = {**options, "name": worker_id, "max_concurrency": 1000}
@@ -114,6 +115,19 @@ class Cluster:
         ray.get(self.router.add_worker.remote(role, worker_id, handle))
         self.workers[worker_id] = handle
         return worker_id
+
+    def replace_worker(self, worker_id: str) -> str:
+        """Tear a worker down (a TP/EP worker: all its ranks and its placement group, as a unit)
+        and start a fresh one of the same role under a new id; returns that id. The old id stays
+        in the router as unhealthy, so it gets no traffic."""
+        role = worker_id.rsplit("-", 1)[0]
+        handle = self.workers.pop(worker_id)
+        self.retired.append(worker_id)
+        ray.kill(handle)
+        group = self.groups.pop(worker_id, None)
+        if group is not None:
+            stop_group(group)
+        return self.add_worker(role)
 
     def stats(self) -> dict:
         return ray.get(self.router.stats.remote())

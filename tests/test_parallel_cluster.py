@@ -1,7 +1,8 @@
-"""A decode worker of TP size 2 (two Ray actors in a placement group) behind the real router,
-fed by a TP=1 prefill worker over real gloo pairs: tokens equal the single-process engine's.
-Then one rank of the group is killed mid-stream: the request fails (no hang), the worker
-reports itself down and the router stops routing to it.
+"""A prefill worker and a decode worker of TP size 2 each (two Ray actors in a placement group
+per worker) behind the real router, over real gloo pairs: tokens equal the single-process
+engine's. Then one rank of the decode group is killed mid-stream: the request fails (no
+hang), the worker reports itself down and the router stops routing to it; the group is
+replaced as a unit and the new one serves the same tokens.
 """
 from __future__ import annotations
 
@@ -28,10 +29,15 @@ def group_cluster():
     os.environ["RAY_AUTH_MODE"] = "disabled"
     start_ray(ClusterConfig(num_cpus=4))
     cl = launch(ClusterConfig(num_cpus=3, engine={"num_blocks": NUM_BLOCKS},
-                              parallel={"decode_tp": 2, "timeout_s": 10.0}))
+                              parallel={"prefill_tp": 2, "decode_tp": 2, "timeout_s": 10.0}))
     yield cl
     cl.shutdown()
     ray.shutdown()
+
+
+def expected() -> list[list[int]]:
+    engine = LLMEngine(EngineConfig(model="tiny", num_threads=1, cache=CacheConfig(num_blocks=NUM_BLOCKS)))
+    return [o.token_ids for o in engine.generate([PROMPTS[i] for i in IDS], [PARAMS[i] for i in IDS])]
 
 
 def run(cluster, ids: list[int], tag: str) -> list:
@@ -42,19 +48,18 @@ def run(cluster, ids: list[int], tag: str) -> list:
 
 @pytest.mark.timeout(240)
 def test_decode_tp2_group_gives_the_engines_tokens(group_cluster):
-    engine = LLMEngine(EngineConfig(model="tiny", num_threads=1, cache=CacheConfig(num_blocks=NUM_BLOCKS)))
-    expected = [o.token_ids for o in engine.generate([PROMPTS[i] for i in IDS], [PARAMS[i] for i in IDS])]
     assert sorted(group_cluster.workers) == ["decode-0", "prefill-0"]
-    assert len(group_cluster.groups["decode-0"].ranks) == 1
-    health = ray.get(group_cluster.workers["decode-0"].health.remote(), timeout=10)
-    assert health["alive"] and health["tp_size"] == 2
+    for worker in ("decode-0", "prefill-0"):
+        assert len(group_cluster.groups[worker].ranks) == 1
+        health = ray.get(group_cluster.workers[worker].health.remote(), timeout=10)
+        assert health["alive"] and health["tp_size"] == 2
     results = run(group_cluster, IDS, "tp2")
-    assert [tokens for tokens, _ in results] == expected
+    assert [tokens for tokens, _ in results] == expected()
     assert all(last.decode_worker == "decode-0" and not last.timing.recomputed for _, last in results)
 
 
 @pytest.mark.timeout(120)
-def test_a_killed_rank_fails_the_group_fast_and_it_gets_no_traffic(group_cluster):
+def test_a_killed_rank_fails_the_group_fast_then_the_group_is_replaced(group_cluster):
     """Last: it destroys the group."""
     params = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
     leader, follower = group_cluster.workers["decode-0"], group_cluster.groups["decode-0"].ranks[0]
@@ -80,3 +85,9 @@ def test_a_killed_rank_fails_the_group_fast_and_it_gets_no_traffic(group_cluster
     wait_for(lambda: not ray.get(leader.health.remote(), timeout=10)["alive"], 30.0, "decode-0 down")
     wait_for(lambda: not ray.get(group_cluster.router.status.remote())["workers"]["decode-0"]["healthy"], 30.0,
              "the router stops routing to decode-0")
+
+    new = group_cluster.replace_worker("decode-0")  # every rank and the placement group, as a unit
+    assert new == "decode-1" and "decode-0" not in group_cluster.groups
+    results = run(group_cluster, IDS, "replaced")
+    assert [tokens for tokens, _ in results] == expected()
+    assert all(last.decode_worker == "decode-1" for _, last in results)
