@@ -83,6 +83,14 @@ class Group:
         self._run(lambda: self.pg.broadcast([t], opts), "broadcast")
         return t
 
+    def scatter(self, out: torch.Tensor, chunks: list[torch.Tensor] | None, src: int = 0) -> torch.Tensor:
+        """Rank `src` sends chunks[r] to rank r (its own included); every rank receives into `out`."""
+        opts = dist.ScatterOptions()
+        opts.rootRank = src
+        inputs = [[c.contiguous() for c in chunks]] if self.rank == src else []
+        self._run(lambda: self.pg.scatter([out], inputs, opts), "scatter")
+        return out
+
     def barrier(self) -> None:
         self.all_reduce(torch.zeros(1, device=self.device))
 

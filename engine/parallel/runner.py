@@ -12,8 +12,8 @@ it sends PING every timeout_s/4, so followers wait within their bounded timeout 
 that died is noticed (healthy turns False) even without traffic.
 
 KV import/export in a group, two ways:
-- through rank 0: WRITE_KV broadcasts block ids and the full-head KV and every rank keeps
-  its own heads; READ_KV gathers each rank's heads of the blocks back to rank 0.
+- through rank 0: WRITE_KV broadcasts the block ids and scatters the KV, each rank receiving
+  only its own heads; READ_KV gathers each rank's heads of the blocks back to rank 0.
 - rank by rank (kv_transfer.reshard, each rank its own transfer pairs): WRITE_LOCAL
   broadcasts the request (id as UTF-8 bytes, token count, block ids) and every follower
   takes its heads from its `receive_local` hook and writes them; READ_LOCAL has every rank
@@ -142,7 +142,7 @@ class ParallelModelRunner(ModelRunner):
             return super().run(batch)
 
     def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
-        """kv: (2, L, nb, bs, Hkv_total, hd), on rank 0; each rank keeps its heads."""
+        """kv: (2, L, nb, bs, Hkv_total, hd), on rank 0; each rank receives and keeps its heads."""
         with self._op(Op.WRITE_KV, block_ids):
             self._write_full(block_ids, kv.to(self.device, self.kv_cache.dtype).contiguous())
 
@@ -243,26 +243,33 @@ class ParallelModelRunner(ModelRunner):
             self._all_ok(lambda: self.send_local(rid, n, ModelRunner.read_blocks(self, blocks)), "send")
         return op is not Op.STOP
 
-    def _write_full(self, block_ids: list[int], kv: torch.Tensor | None) -> None:
+    def _heads_of(self, rank: int) -> tuple[int, int]:
+        """(first KV head, count) rank `rank` holds; with EP only (tp 1) every rank holds all."""
         cfg = self.plan.cfg
-        shape = (2, cfg.num_layers, len(block_ids), self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        if kv is None:
-            kv = torch.empty(shape, dtype=self.kv_cache.dtype, device=self.device)
-        self.group.broadcast(kv)
-        first, count = self.plan.kv_heads
-        super().write_blocks(block_ids, kv[..., first : first + count, :])
+        if self.plan.tp_size == 1:
+            return 0, cfg.num_kv_heads
+        return kv_head_range(cfg.num_heads, cfg.num_kv_heads, self.plan.tp_size, rank)
+
+    def _write_full(self, block_ids: list[int], kv: torch.Tensor | None) -> None:
+        """Rank 0 holds all heads (kv); each rank receives only its own heads (one scatter)."""
+        cfg, count = self.plan.cfg, self.plan.kv_heads[1]
+        mine = torch.empty((2, cfg.num_layers, len(block_ids), self.block_size, count, cfg.head_dim),
+                           dtype=self.kv_cache.dtype, device=self.device)
+        chunks = None
+        if kv is not None:
+            chunks = [kv[..., s : s + n, :] for s, n in map(self._heads_of, range(self.group.size))]
+        super().write_blocks(block_ids, self.group.scatter(mine, chunks))
 
     def _read_full(self, block_ids: list[int]) -> torch.Tensor:
-        if self.plan.tp_size == 1:  # EP only: every rank holds every head
+        if self.plan.tp_size == 1:  # EP only: rank 0 holds every head already
             return super().read_blocks(block_ids)
         parts = self.group.all_gather(super().read_blocks(block_ids))  # tp x (2, L, nb, bs, Hkv_local, hd)
-        cfg = self.plan.cfg
         heads: dict[int, torch.Tensor] = {}
         for rank, part in enumerate(parts):  # replicated heads (Hkv < tp) are taken once
-            first, count = kv_head_range(cfg.num_heads, cfg.num_kv_heads, self.plan.tp_size, rank)
+            first, count = self._heads_of(rank)
             for h in range(count):
                 heads.setdefault(first + h, part[..., h : h + 1, :])
-        return torch.cat([heads[h] for h in range(cfg.num_kv_heads)], dim=-2)
+        return torch.cat([heads[h] for h in range(self.plan.cfg.num_kv_heads)], dim=-2)
 
     def _all_ok(self, work: Callable[[], object], what: str) -> None:
         """Run this rank's part, then agree with the others on whether every rank succeeded."""
