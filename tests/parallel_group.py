@@ -20,13 +20,14 @@ def rank_env() -> dict[str, str]:
 
 
 def run_group(model: Path, tmp: Path, prompts: list[list[int]], *, tp: int = 1, ep: int = 1,
-              max_tokens: int = 8, timeout_s: float = 240, device: str = "cpu") -> list[dict]:
+              max_tokens: int = 8, timeout_s: float = 240, device: str = "cpu", **extra) -> list[dict]:
     world = max(tp, ep)
     out = tmp / f"out-tp{tp}-ep{ep}.json"
     store = tmp / f"store-tp{tp}-ep{ep}"
     procs = []
     for rank in range(world):
-        args = {"model": str(model), "device": device, "prompts": prompts, "max_tokens": max_tokens, "out": str(out),
+        args = {**extra, "model": str(model), "device": device, "prompts": prompts, "max_tokens": max_tokens,
+                "out": str(out),
                 "parallel": {"tp_size": tp, "ep_size": ep, "rank": rank, "rendezvous": f"file://{store}",
                              "timeout_s": 60}}
         procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests" / "parallel_rank.py"), json.dumps(args)],

@@ -58,6 +58,14 @@ def test_qwen3_moe_tp2_splits_every_expert(hf_checkpoints, tmp_path):
     assert_same(run_group(model, tmp_path, PROMPTS[:2], tp=2, max_tokens=MAX_TOKENS), reference(model, PROMPTS[:2]))
 
 
+def test_a_failed_rank_by_rank_kv_write_fails_the_request_not_the_group(hf_checkpoints, tmp_path):
+    """Rank 1's receive fails: rank 0's write_local raises LocalKVFailed, the group stays
+    healthy, and the same engine then generates the reference tokens."""
+    model = hf_checkpoints.get("qwen3")
+    got = run_group(model, tmp_path, PROMPTS[:1], tp=2, max_tokens=MAX_TOKENS, fail_local_kv=True)
+    assert_same(got, reference(model, PROMPTS[:1]))
+
+
 @pytest.mark.gpu
 def test_tp2_nccl_matches_tp1(hf_checkpoints, tmp_path):
     """The same over NCCL with CUDA tensors, one GPU per rank."""
