@@ -106,7 +106,8 @@ class Cluster:
         tp, ep = cfg.parallel.sizes(role)
         if max(tp, ep) > 1:
             bundle = {"GPU": 1} if "num_gpus" in place.options else {"CPU": place.options["num_cpus"]}
-            group = start_group(worker_id, start, engine_cfg, tp, ep, bundle, cfg.host, cfg.parallel.timeout_s)
+            group = start_group(worker_id, start, engine_cfg, tp, ep, bundle, cfg.host, cfg.parallel.timeout_s,
+                                receive_kv=cfg.transfer if role == "decode" else None)
             self.groups[worker_id] = group
             handle = group.leader
         else:

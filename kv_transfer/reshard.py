@@ -22,8 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kv_transfer.channel import SenderChannel
+from kv_transfer.config import TransferConfig
 from kv_transfer.header import TransferHeader
-from kv_transfer.layout import HeadShard
+from kv_transfer.layout import HeadShard, KVLayout
+from kv_transfer.rendezvous import connect
 
 
 def shard_of(num_kv_heads: int, tp_size: int, rank: int) -> HeadShard:
@@ -110,3 +113,47 @@ def place(out: torch.Tensor, held: HeadShard, piece_shard: HeadShard, payload: t
     (2, L, nb, bs, held.head_count, hd)."""
     start = piece_shard.head_start - held.head_start
     out[..., start : start + piece_shard.head_count, :].copy_(payload)
+
+
+class ShardedSender:
+    """A full-head sender feeding a decode group of TP size b over one pair per decode rank:
+    each request goes out as b messages, rank r's carrying exactly rank r's heads. Sent in
+    rank order; a refusal or error on one stops the rest (so no later rank is left holding a
+    piece its rank 0 never asked it to write). Looks like a SenderChannel to its caller."""
+
+    def __init__(self, channels: list[tuple[Piece, SenderChannel]], num_kv_heads: int, peer: str = ""):
+        self.channels, self.peer = channels, peer
+        self.full = HeadShard.full(num_kv_heads)
+        self.closed = False
+
+    @property
+    def corrupt_next_payload(self) -> bool:
+        return self.channels[0][1].corrupt_next_payload
+
+    @corrupt_next_payload.setter
+    def corrupt_next_payload(self, value: bool) -> None:  # test hook: corrupts rank 0's piece
+        self.channels[0][1].corrupt_next_payload = value
+
+    def send(self, request_id: str, kv: torch.Tensor, num_tokens: int, timeout_s: float | None = None) -> None:
+        for piece, channel in self.channels:
+            channel.send(request_id, cut(kv, self.full, piece), num_tokens, timeout_s)
+
+    def close(self) -> None:
+        self.closed = True
+        for _, channel in self.channels:
+            channel.close()
+
+
+def connect_group(addresses: list[tuple[str, int]], layout: KVLayout, config: TransferConfig,
+                  name: str) -> ShardedSender:
+    """Join every rank of a decode group (rank order) as a full-head sender (TP=1 side of the plan)."""
+    channels = []
+    try:
+        for piece in plan(layout.num_kv_heads, 1, len(addresses)):
+            shard = piece.sender_shard(1)
+            channels.append((piece, connect(tuple(addresses[piece.dst_rank]), layout, config, name, shard)))
+    except BaseException:
+        for _, channel in channels:
+            channel.close()
+        raise
+    return ShardedSender(channels, layout.num_kv_heads, name)

@@ -46,7 +46,7 @@ def main(args: dict) -> None:
         json.dump(result, f)
 
 
-def _lost_transfer(request_id: str, num_tokens: int):
+def _lost_transfer(request_id: str, num_tokens: int, peer: str):
     raise ConnectionError(f"the pair carrying {request_id!r} closed")  # a follower's transfer failing
 
 

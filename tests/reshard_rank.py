@@ -70,7 +70,7 @@ def prefill(args: dict) -> None:
         channels.append((piece, connect(tuple(addr), layout_of(engine), TRANSFER, f"src{par.rank}",
                                         piece.sender_shard(src_tp))))
 
-    def send(request_id: str, num_tokens: int, kv: torch.Tensor) -> None:
+    def send(request_id: str, num_tokens: int, kv: torch.Tensor, peer: str = "") -> None:
         for piece, channel in channels:
             channel.send(request_id, cut(kv, mine, piece), num_tokens)
 
@@ -108,7 +108,7 @@ def decode(args: dict) -> None:
     pool = ThreadPoolExecutor(len(channels))  # every pair at once: senders block until their ack
     kv_cache = engine.runner.kv_cache
 
-    def receive(request_id: str, num_tokens: int) -> torch.Tensor:
+    def receive(request_id: str, num_tokens: int, peer: str = "") -> torch.Tensor:
         nb = math.ceil(num_tokens / engine.block_size)
         out = torch.empty((2, kv_cache.shape[1], nb, *kv_cache.shape[3:]), dtype=kv_cache.dtype)
         for header, payload in pool.map(lambda ch: ch.receive(), channels):

@@ -12,11 +12,13 @@ import time
 
 import pytest
 import ray
-from test_cluster import NUM_BLOCKS, PARAMS, PROMPTS, collect, wait_for
+from test_cluster import BS, NUM_BLOCKS, PARAMS, PROMPTS, collect, wait_for
 
 from cluster.config import ClusterConfig
 from cluster.launch import launch, start_ray
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+from engine.model_config import ModelConfig
+from engine.presets import resolve_model
 from router.types import GenerateRequest
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -33,6 +35,11 @@ def group_cluster():
     yield cl
     cl.shutdown()
     ray.shutdown()
+
+
+def block_bytes() -> int:
+    cfg = ModelConfig.from_dir(resolve_model("tiny"))
+    return 2 * cfg.num_layers * BS * cfg.num_kv_heads * cfg.head_dim * 4  # K and V, float32
 
 
 def expected() -> list[list[int]]:
@@ -56,6 +63,9 @@ def test_decode_tp2_group_gives_the_engines_tokens(group_cluster):
     results = run(group_cluster, IDS, "tp2")
     assert [tokens for tokens, _ in results] == expected()
     assert all(last.decode_worker == "decode-0" and not last.timing.recomputed for _, last in results)
+    # Rank 0's pair carried only rank 0's KV heads (1 of the tiny preset's 2): half of each block.
+    for i, (_, last) in zip(IDS, results):
+        assert last.timing.transfer_bytes == -(-len(PROMPTS[i]) // BS) * block_bytes() // 2
 
 
 @pytest.mark.timeout(120)

@@ -15,7 +15,7 @@ KV import/export in a group, two ways:
 - through rank 0: WRITE_KV broadcasts the block ids and scatters the KV, each rank receiving
   only its own heads; READ_KV gathers each rank's heads of the blocks back to rank 0.
 - rank by rank (kv_transfer.reshard, each rank its own transfer pairs): WRITE_LOCAL
-  broadcasts the request (id as UTF-8 bytes, token count, block ids) and every follower
+  broadcasts the request (id and peer as UTF-8 bytes, token count, block ids) and every follower
   takes its heads from its `receive_local` hook and writes them; READ_LOCAL has every rank
   read its own heads and hand them to its `send_local` hook. Both end with an all-reduce of
   failures, so a rank whose transfer failed fails the request (LocalKVFailed), not the group.
@@ -105,10 +105,10 @@ class ParallelModelRunner(ModelRunner):
         super().__init__(model, plan.local_config(), num_blocks, block_size, dtype, device)
         self.plan, self.group = plan, group
         # A follower's owner sets these for rank-by-rank KV transfer (see the module doc):
-        # receive_local(request_id, num_tokens) -> this rank's KV (2, L, nb, bs, Hkv_local, hd);
-        # send_local(request_id, num_tokens, kv) sends it on.
-        self.receive_local: Callable[[str, int], torch.Tensor] | None = None
-        self.send_local: Callable[[str, int, torch.Tensor], None] | None = None
+        # receive_local(request_id, num_tokens, peer) -> this rank's KV (2, L, nb, bs, Hkv_local, hd)
+        # from peer (the other worker's id); send_local(request_id, num_tokens, kv, peer) sends it on.
+        self.receive_local: Callable[[str, int, str], torch.Tensor] | None = None
+        self.send_local: Callable[[str, int, torch.Tensor, str], None] | None = None
         self.last_local_error: BaseException | None = None
         self._lock = threading.Lock()
         self._last_op = time.monotonic()
@@ -151,16 +151,17 @@ class ParallelModelRunner(ModelRunner):
         with self._op(Op.READ_KV, block_ids):
             return self._read_full(block_ids)
 
-    def write_local(self, request_id: str, num_tokens: int, block_ids: list[int], kv: torch.Tensor) -> None:
+    def write_local(self, request_id: str, num_tokens: int, block_ids: list[int], kv: torch.Tensor,
+                    peer: str = "") -> None:
         """Write rank 0's heads `kv` into the blocks while every follower writes the heads its
         receive_local hook returns. LocalKVFailed if any rank failed (nothing is usable then)."""
-        with self._op(Op.WRITE_LOCAL, _request_args(request_id, num_tokens, block_ids)):
+        with self._op(Op.WRITE_LOCAL, _request_args(request_id, num_tokens, block_ids, peer)):
             self._all_ok(lambda: super(ParallelModelRunner, self).write_blocks(block_ids, kv), "receive")
 
-    def read_local(self, request_id: str, num_tokens: int, block_ids: list[int]) -> torch.Tensor:
+    def read_local(self, request_id: str, num_tokens: int, block_ids: list[int], peer: str = "") -> torch.Tensor:
         """Rank 0's heads of the blocks, while every follower reads its own and hands them to its
         send_local hook. LocalKVFailed if a follower failed to send."""
-        with self._op(Op.READ_LOCAL, _request_args(request_id, num_tokens, block_ids)):
+        with self._op(Op.READ_LOCAL, _request_args(request_id, num_tokens, block_ids, peer)):
             out: list[torch.Tensor] = []
             self._all_ok(lambda: out.append(super(ParallelModelRunner, self).read_blocks(block_ids)), "send")
             return out[0]
@@ -236,11 +237,11 @@ class ParallelModelRunner(ModelRunner):
         elif op is Op.READ_KV:
             self._read_full(args)
         elif op is Op.WRITE_LOCAL:
-            rid, n, blocks = _parse_request_args(args)
-            self._all_ok(lambda: ModelRunner.write_blocks(self, blocks, self.receive_local(rid, n)), "receive")
+            rid, n, blocks, peer = _parse_request_args(args)
+            self._all_ok(lambda: ModelRunner.write_blocks(self, blocks, self.receive_local(rid, n, peer)), "receive")
         elif op is Op.READ_LOCAL:
-            rid, n, blocks = _parse_request_args(args)
-            self._all_ok(lambda: self.send_local(rid, n, ModelRunner.read_blocks(self, blocks)), "send")
+            rid, n, blocks, peer = _parse_request_args(args)
+            self._all_ok(lambda: self.send_local(rid, n, ModelRunner.read_blocks(self, blocks), peer), "send")
         return op is not Op.STOP
 
     def _heads_of(self, rank: int) -> tuple[int, int]:
@@ -283,14 +284,17 @@ class ParallelModelRunner(ModelRunner):
             raise LocalKVFailed(f"{int(count.item())} rank(s) failed to {what} their KV heads")
 
 
-def _request_args(request_id: str, num_tokens: int, block_ids: list[int]) -> list[int]:
-    rid = list(request_id.encode("utf-8"))
-    return [num_tokens, len(rid), *rid, *block_ids]
+def _request_args(request_id: str, num_tokens: int, block_ids: list[int], peer: str) -> list[int]:
+    """[num_tokens, len(id), id bytes..., len(peer), peer bytes..., block ids...] (UTF-8 bytes)."""
+    rid, who = list(request_id.encode("utf-8")), list(peer.encode("utf-8"))
+    return [num_tokens, len(rid), *rid, len(who), *who, *block_ids]
 
 
-def _parse_request_args(args: list[int]) -> tuple[str, int, list[int]]:
+def _parse_request_args(args: list[int]) -> tuple[str, int, list[int], str]:
     n, k = args[0], args[1]
-    return bytes(args[2 : 2 + k]).decode("utf-8"), n, args[2 + k :]
+    p = args[2 + k]
+    rid, peer = bytes(args[2 : 2 + k]).decode("utf-8"), bytes(args[3 + k : 3 + k + p]).decode("utf-8")
+    return rid, n, args[3 + k + p :], peer
 
 
 def agree_num_blocks(group: Group, num_blocks: int, device: torch.device) -> int:
