@@ -69,6 +69,18 @@ def test_decode_tp2_group_gives_the_engines_tokens(group_cluster):
 
 
 @pytest.mark.timeout(120)
+def test_a_corrupted_piece_is_recomputed_and_every_ranks_pair_stays_in_step(group_cluster):
+    """Rank 0's piece arrives corrupted: rank 1 still takes its piece, the request is recomputed
+    with the same tokens, and the next request transfers normally on both ranks' pairs."""
+    want = dict(zip(IDS, expected()))
+    ray.get(group_cluster.workers["prefill-0"].corrupt_next_payload.remote("decode-0"), timeout=10)
+    [(tokens, last)] = run(group_cluster, [IDS[2]], "corrupt")
+    assert tokens == want[IDS[2]] and last.timing.recomputed
+    [(tokens, last)] = run(group_cluster, [IDS[3]], "after-corrupt")
+    assert tokens == want[IDS[3]] and not last.timing.recomputed and last.timing.transfer_bytes > 0
+
+
+@pytest.mark.timeout(120)
 def test_a_killed_rank_fails_the_group_fast_then_the_group_is_replaced(group_cluster):
     """Last: it destroys the group."""
     params = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
