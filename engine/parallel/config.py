@@ -11,7 +11,8 @@ class ParallelConfig(BaseModel):
     experts. Both run over the same ranks: world_size = max(tp_size, ep_size), and a size
     above 1 must equal it (tp=1, ep=2 replicates attention and splits only the experts).
 
-    rendezvous: "tcp://host:port" (rank 0 hosts the store) or "file:///path" (one host).
+    rendezvous: "tcp://host:port" (rank 0 hosts the store) or "file:///path" (one host). The
+    ranks share a node; gloo binds its sockets to that host (127.0.0.1 for file://).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")

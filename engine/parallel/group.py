@@ -59,7 +59,10 @@ class Group:
             if device.type != "cpu":
                 raise ValueError(f"parallel.backend gloo runs on CPU tensors, the device is {device}")
             opts = dist.ProcessGroupGloo._Options()
-            opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+            # Bind gloo's pair sockets to the rendezvous host (the ranks share a node), never to
+            # whatever interface the machine's hostname resolves to.
+            host = urlparse(cfg.rendezvous).hostname or "127.0.0.1"
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
             opts._timeout = timeout
             pg = dist.ProcessGroupGloo(store, cfg.rank, cfg.world_size, opts)
         group = cls(pg, device, cfg.timeout_s, store)
