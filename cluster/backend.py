@@ -46,6 +46,7 @@ class ClusterBackend:
         self.max_model_len = context_length(cfg.engine.max_model_len, model_cfg)
         self.block_size = cfg.engine.block_size
         self.roles = ("mixed",) if cfg.mode == "colocated" else ("prefill", "decode")
+        cfg.parallel.check_model(model_cfg, self.roles)
         self.router = None
         self.num_blocks = 0
 

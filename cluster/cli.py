@@ -48,6 +48,7 @@ examples:
   brigade serve                                   # tiny preset, 1 prefill + 1 decode, http://127.0.0.1:8000
   brigade serve --prefill 2 --decode 2 --http-port 9000
   brigade serve --mode colocated --decode 2       # 2 mixed workers (prefill + decode in one engine)
+  brigade serve --prefill-tp 1 --decode-tp 2      # each decode worker: 2 tensor-parallel ranks
   brigade serve --config cluster.yaml --num-blocks 4096    # a config file, one field overridden
   brigade serve --ray-address 10.0.0.5:6379 --redis-url redis://10.0.0.6:6379/0   # join a running Ray cluster
   curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
@@ -66,6 +67,8 @@ SERVE_FLAGS = {
     ("engine", "hicache", "disk_dir"): "--hicache-disk-dir",
     ("engine", "hicache", "disk_bytes"): "--hicache-disk-bytes",
     ("router", "policy"): "--policy", ("index", "key_prefix"): "--redis-prefix",
+    ("parallel", "prefill_tp"): "--prefill-tp", ("parallel", "decode_tp"): "--decode-tp",
+    ("parallel", "decode_ep"): "--decode-ep",
 }
 CONFIG_FLAGS = {
     ("model",): "--model", ("dtype",): "--dtype", ("device",): "--device", ("seed",): "--seed",
@@ -189,6 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--mode", choices=["disaggregated", "colocated"],
                    help="disaggregated (default): prefill and decode on separate workers, KV moved "
                         "between them; colocated: each worker runs whole requests")
+    c.add_argument("--prefill-tp", type=int, metavar="K", help="tensor-parallel ranks per prefill worker (default 1)")
+    c.add_argument("--decode-tp", type=int, metavar="K",
+                   help="tensor-parallel ranks per decode worker (default 1): K actors placed together")
+    c.add_argument("--decode-ep", type=int, metavar="K",
+                   help="expert-parallel ranks per decode worker, MoE models (default 1; with --decode-tp: equal)")
     c.add_argument("--ray-address", metavar="ADDR", help="join this Ray cluster (default: start Ray locally)")
     c.add_argument("--redis-url", metavar="URL",
                    help="Redis for worker leases and the prefix index, redis[s]://[USER:PASSWORD@]HOST:PORT/DB "
@@ -250,6 +258,7 @@ def cluster_config(args: argparse.Namespace):
                    "hicache": {"enabled": args.hicache, "host_bytes": args.hicache_host_bytes,
                                "disk_dir": args.hicache_disk_dir, "disk_bytes": args.hicache_disk_bytes}},
         "router": {"policy": args.policy}, "index": {"key_prefix": args.redis_prefix},
+        "parallel": {"prefill_tp": args.prefill_tp, "decode_tp": args.decode_tp, "decode_ep": args.decode_ep},
     }
     try:
         return load_config(args.config, overrides)

@@ -8,6 +8,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from cluster.parallel_config import WorkerParallelism
 from engine import CacheConfig, EngineConfig, SchedulerConfig
 from engine.config import HiCacheConfig
 from kv_transfer import TransferConfig
@@ -49,6 +50,7 @@ class ClusterConfig(_Frozen):
     index: IndexConfig = IndexConfig()
     frontdoor: FrontDoorConfig = FrontDoorConfig()
     transfer: TransferConfig = TransferConfig()
+    parallel: WorkerParallelism = WorkerParallelism()
 
     @model_validator(mode="after")
     def _check(self) -> ClusterConfig:
@@ -56,11 +58,22 @@ class ClusterConfig(_Frozen):
             raise ValueError("disaggregated mode needs at least one prefill worker (--prefill >= 1)")
         if self.host in ("0.0.0.0", "::", ""):
             raise ValueError("host must be a specific address (e.g. 127.0.0.1 or the pod IP), not a wildcard")
+        cache_role = "mixed" if self.mode == "colocated" else "prefill"  # the workers whose tiers would hold KV
+        if self.engine.hicache.enabled and self.parallel.ranks(cache_role) > 1:
+            # Each rank holds only its KV heads; the tiers copy one rank's pool. Until every rank
+            # keeps its own tiers in step, the two do not mix.
+            raise ValueError(f"HiCache is not supported on multi-rank {cache_role} workers yet; "
+                             "turn off --hicache or use TP/EP 1 there")
         return self
 
     @property
     def num_prefill(self) -> int:
         return 0 if self.mode == "colocated" else self.prefill
+
+    @property
+    def num_ranks(self) -> int:
+        """Processes all workers take together (a TP/EP worker is one per rank)."""
+        return self.num_prefill * self.parallel.ranks("prefill") + self.decode * self.parallel.ranks("decode")
 
     def engine_config(self, num_threads: int | None, worker_id: str | None = None) -> EngineConfig:
         e = self.engine

@@ -10,6 +10,7 @@ import ray
 
 from cluster.config import ClusterConfig, cpu_budget
 from decode_worker.actor import DecodeActor
+from decode_worker.group import Group, start_group, stop_group
 from engine import Role
 from prefill_worker.actor import PrefillActor
 from router.actor import RouterActor
@@ -87,23 +88,49 @@ class Cluster:
     router: object
     index: IndexLink | None = None  # the prefix index and leases in Redis; None: routing by load only
     workers: dict[str, object] = field(default_factory=dict)  # worker id -> actor handle
+    groups: dict[str, Group] = field(default_factory=dict)  # worker id -> its ranks, for TP/EP workers
+    retired: list[str] = field(default_factory=list)  # replaced workers' ids, never reused
 
     def add_worker(self, role: str) -> str:
         """Start one more worker and hand it to the router (which pairs it with its peers)."""
         cfg = self.cfg
-        place = placements(cfg, max(1, cfg.num_prefill + cfg.decode))
-        worker_id = f"{role}-{sum(w.startswith(role + '-') for w in self.workers)}"
+        place = placements(cfg, max(1, cfg.num_ranks))
+        worker_id = f"{role}-{sum(w.startswith(role + '-') for w in [*self.workers, *self.retired])}"
         engine_cfg = cfg.engine_config(place.num_threads, worker_id)
-        opts = {**place.options, "name": worker_id, "max_concurrency": 1000}
-        if role == "prefill":
-            handle = PrefillActor.options(**opts).remote(worker_id, engine_cfg, cfg.transfer, self.index)
-        else:
+
+        def start(engine_cfg, options: dict):
+            opts = {**options, "name": worker_id, "max_concurrency": 1000}
+            if role == "prefill":
+                return PrefillActor.options(**opts).remote(worker_id, engine_cfg, cfg.transfer, self.index)
             engine_role = Role.MIXED if role == "mixed" else Role.DECODE
-            handle = DecodeActor.options(**opts).remote(worker_id, engine_cfg, cfg.transfer, engine_role, self.index)
+            return DecodeActor.options(**opts).remote(worker_id, engine_cfg, cfg.transfer, engine_role, self.index)
+
+        tp, ep = cfg.parallel.sizes(role)
+        if max(tp, ep) > 1:
+            bundle = {"GPU": 1} if "num_gpus" in place.options else {"CPU": place.options["num_cpus"]}
+            group = start_group(worker_id, start, engine_cfg, tp, ep, bundle, cfg.host, cfg.parallel.timeout_s,
+                                receive_kv=cfg.transfer if role == "decode" else None)
+            self.groups[worker_id] = group
+            handle = group.leader
+        else:
+            handle = start(engine_cfg, place.options)
         ray.get(handle.health.remote())  # surfaces a failed start (bad model path, ...) here
         ray.get(self.router.add_worker.remote(role, worker_id, handle))
         self.workers[worker_id] = handle
         return worker_id
+
+    def replace_worker(self, worker_id: str) -> str:
+        """Tear a worker down (a TP/EP worker: all its ranks and its placement group, as a unit)
+        and start a fresh one of the same role under a new id; returns that id. The old id stays
+        in the router as unhealthy, so it gets no traffic."""
+        role = worker_id.rsplit("-", 1)[0]
+        handle = self.workers.pop(worker_id)
+        self.retired.append(worker_id)
+        ray.kill(handle)
+        group = self.groups.pop(worker_id, None)
+        if group is not None:
+            stop_group(group)
+        return self.add_worker(role)
 
     def stats(self) -> dict:
         return ray.get(self.router.stats.remote())
@@ -115,8 +142,11 @@ class Cluster:
             except Exception as exc:  # already dead: nothing to drain
                 log.warning("worker shutdown: %s", exc)
             ray.kill(handle)
+        for group in self.groups.values():
+            stop_group(group)
         ray.kill(self.router)
         self.workers.clear()
+        self.groups.clear()
 
 
 def launch(cfg: ClusterConfig, redis_url: str | None = None) -> Cluster:

@@ -24,12 +24,24 @@ class DecodeActor:
                  role: Role = Role.DECODE, index: IndexLink | None = None):
         self.worker = DecodeWorker(worker_id, engine_cfg, transfer_cfg, role, index)
         self.streams: dict[str, OutputStream] = {}  # requests streaming from here, for abort()
+        self.ranks: list = []  # a tensor-parallel worker's other ranks (decode_worker.group.RankActor)
 
-    async def address(self) -> tuple[str, int]:
-        return self.worker.address
+    async def attach_ranks(self, ranks: list) -> None:
+        """Ranks 1..k-1 of this tensor-parallel worker: each receives its own KV heads."""
+        self.ranks = ranks
+
+    async def address(self) -> tuple[str, int] | list[tuple[str, int]]:
+        """Where a prefill worker connects: one address, or one per rank of a TP worker."""
+        if not self.ranks:
+            return self.worker.address
+        return [self.worker.address, *await asyncio.gather(*(r.address.remote() for r in self.ranks))]
 
     async def accept(self) -> str:
-        return await asyncio.to_thread(self.worker.accept)
+        """Accept the next prefill worker (on every rank of a TP worker); returns its id."""
+        peers = await asyncio.gather(asyncio.to_thread(self.worker.accept), *(r.accept.remote() for r in self.ranks))
+        if len(set(peers)) != 1:
+            raise RuntimeError(f"the ranks of {self.worker.worker_id} accepted different peers: {peers}")
+        return peers[0]
 
     async def reserve(self, request_id: str, num_tokens: int) -> bool:
         return await asyncio.to_thread(self.worker.reserve, request_id, num_tokens)

@@ -19,8 +19,19 @@ import torch
 from engine import EngineConfig, LLMEngine, RequestOutput, Role, SamplingParams
 from engine.block_pool import NoFreeBlocks
 from engine.engine_loop import EngineLoop, Sink
+from engine.parallel.runner import LocalKVFailed, ParallelModelRunner
 from engine.sampling import TokenLogprobs
-from kv_transfer import KVLayout, KVTransferError, ReceiverChannel, TransferConfig, TransferServer, payload_view
+from kv_transfer import (
+    ChecksumMismatch,
+    HeadShard,
+    KVLayout,
+    KVTransferError,
+    ReceiverChannel,
+    TransferConfig,
+    TransferServer,
+    payload_view,
+)
+from kv_transfer.reshard import shard_of
 from prefill_worker.worker import worker_health
 from router.config import IndexLink
 from router.index_publisher import with_events, worker_publisher
@@ -35,7 +46,11 @@ class DecodeWorker:
         self.engine = LLMEngine(with_events(engine_cfg, index is not None and mixed).model_copy(update={"role": role}))
         self.loop = EngineLoop(self.engine, name=f"{worker_id}-engine").start()
         self.publisher = worker_publisher(index, worker_id, role.value, self.loop, mixed) if index else None
-        self.layout = KVLayout.from_kv_cache(self.engine.model_id, self.engine.runner.kv_cache)
+        self.layout = KVLayout.of_model(self.engine.model_id, self.engine.runner.kv_cache,
+                                        self.engine.model_config.num_kv_heads)
+        # A tensor-parallel worker takes only rank 0's heads here; its other ranks receive their
+        # own over their own pairs (decode_worker.group.RankActor, kv_transfer.reshard).
+        self.shard = rank_shard(self.engine)
         self.transfer_cfg = transfer_cfg
         self.server = TransferServer(transfer_cfg)
         self.channels: dict[str, ReceiverChannel] = {}  # by prefill worker id
@@ -52,7 +67,7 @@ class DecodeWorker:
 
     def accept(self) -> str:
         """Accept the next prefill worker that connects; returns its id."""
-        channel = self.server.accept(self.layout)
+        channel = self.server.accept(self.layout, self.shard)
         self.locks.setdefault(channel.peer, threading.Lock())
         old = self.channels.pop(channel.peer, None)
         if old is not None:
@@ -110,16 +125,35 @@ class DecodeWorker:
                 if header.request_id != request_id:  # cannot happen while pulls are serialised per channel
                     channel.refuse(header)
                     raise KVTransferError(f"expected KV of {request_id!r}, got {header.request_id!r}")
-                kv = channel.recv_payload(header, self._buffer(prefill_id, header))
                 # Written from this thread, not the engine's: reserved blocks belong to no running
                 # sequence until admit(), so the step never touches them, and abort() waits for
                 # us (below) before it can hand them to anyone else.
-                self.engine.write_kv(blocks, kv)
+                if self.shard is None:
+                    kv = channel.recv_payload(header, self._buffer(prefill_id, header))
+                    self.engine.write_kv(blocks, kv)
+                else:
+                    self._write_group(request_id, prefill_id, header, channel, blocks)
         finally:
             with self.pull_done:
                 self.pulling.discard(request_id)
                 self.pull_done.notify_all()
         return header.payload_nbytes, time.monotonic() - start
+
+    def _write_group(self, request_id: str, prefill_id: str, header, channel, blocks: list[int]) -> None:
+        """Rank 0's heads from its pair, the other ranks' from theirs, all written in one group op.
+        A bad checksum here still lets the other ranks take their pieces (into blocks about to be
+        freed), so every pair stays in step for the next request."""
+        failure: KVTransferError | None = None
+        try:
+            kv = channel.recv_payload(header, self._buffer(prefill_id, header))
+        except ChecksumMismatch as exc:
+            kv, failure = torch.zeros(header.payload_shape, dtype=header.dtype), exc
+        try:
+            self.engine.runner.write_local(request_id, header.num_tokens, blocks, kv, peer=prefill_id)
+        except LocalKVFailed as exc:
+            raise KVTransferError(f"a rank of {self.worker_id} did not get its KV of {request_id!r}: {exc}") from exc
+        if failure is not None:
+            raise failure
 
     def _buffer(self, prefill_id: str, header) -> torch.Tensor:
         """A receive buffer for this channel, reused across requests (no per-request allocation)."""
@@ -172,3 +206,11 @@ class DecodeWorker:
         self.server.close()
         self.loop.stop()
         self.engine.close()  # after the loop: finishes pending HiCache disk writes
+
+
+def rank_shard(engine: LLMEngine) -> HeadShard | None:
+    """The KV heads this (rank 0) engine holds when it is tensor parallel; None when it holds all."""
+    runner = engine.runner
+    if not isinstance(runner, ParallelModelRunner) or runner.plan.tp_size == 1:
+        return None
+    return shard_of(engine.model_config.num_kv_heads, runner.plan.tp_size, runner.group.rank)

@@ -10,6 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from engine.parallel.config import ParallelConfig
+
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -83,6 +85,8 @@ class EngineConfig(_Frozen):
     num_threads: int | None = Field(None, ge=1)
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    # Tensor/expert parallel split of the model over ranks (engine.parallel); size 1 by default.
+    parallel: ParallelConfig = ParallelConfig()
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

@@ -13,6 +13,7 @@ from engine.hicache import TierManager
 from engine.loader import load_model
 from engine.model_config import DTYPES, ModelConfig
 from engine.model_runner import ModelRunner, kv_cache_blocks
+from engine.parallel.setup import build_parallel_runner
 from engine.presets import PRESETS, resolve_model
 from engine.radix_cache import RadixCache
 from engine.sampler import Sampler
@@ -70,9 +71,13 @@ def build_parts(cfg: EngineConfig) -> EngineParts:
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     max_len = context_length(cfg.max_model_len, model_cfg)
-    model = load_model(path, model_cfg, dtype, device)
-    num_blocks = kv_cache_blocks(cfg.cache, model_cfg, dtype, device)
-    runner = ModelRunner(model, model_cfg, num_blocks, cfg.cache.block_size, dtype, device)
+    if cfg.parallel.world_size > 1:
+        runner = build_parallel_runner(cfg.parallel, cfg.cache, path, model_cfg, dtype, device)
+    else:
+        model = load_model(path, model_cfg, dtype, device)
+        num_blocks = kv_cache_blocks(cfg.cache, model_cfg, dtype, device)
+        runner = ModelRunner(model, model_cfg, num_blocks, cfg.cache.block_size, dtype, device)
+    num_blocks = runner.kv_cache.shape[2]
     pool = BlockPool(num_blocks)
     cache = RadixCache(pool, CacheEventLog(cfg.cache.record_events)) if cfg.cache.enable_prefix_cache else None
     model_id = model_id_for(cfg, path)

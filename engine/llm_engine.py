@@ -281,9 +281,10 @@ class LLMEngine:
         }
 
     def close(self) -> None:
-        """Finish pending disk writes and stop the cache tiers' I/O threads."""
+        """Finish pending disk writes, stop the cache tiers' I/O threads, leave the rank group."""
         if self.hicache is not None:
             self.hicache.close()
+        self.runner.close()
 
 
 def check_request(token_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,

@@ -34,6 +34,13 @@ class ModelRunner:
             dtype=dtype, device=device,
         )  # (2, L, NB, bs, Hkv, hd)
 
+    def health(self) -> dict:
+        """Extra fields for a worker's health report (a parallel runner reports its group)."""
+        return {}
+
+    def close(self) -> None:
+        """Release what the runner holds beyond memory (a parallel runner: its group)."""
+
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A contiguous copy of these blocks: (2, L, len(block_ids), bs, Hkv, hd)."""
         out = torch.empty((*self.kv_cache.shape[:2], len(block_ids), *self.kv_cache.shape[3:]),

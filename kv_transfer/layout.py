@@ -29,6 +29,12 @@ class KVLayout:
         _, layers, _, block_size, heads, head_dim = kv_cache.shape
         return cls(model_id, layers, heads, head_dim, block_size, kv_cache.dtype)
 
+    @classmethod
+    def of_model(cls, model_id: str, kv_cache: torch.Tensor, num_kv_heads: int) -> KVLayout:
+        """The whole model's layout, from an engine's KV cache that may hold only a TP rank's heads."""
+        _, layers, _, block_size, _, head_dim = kv_cache.shape
+        return cls(model_id, layers, num_kv_heads, head_dim, block_size, kv_cache.dtype)
+
 
 @dataclass(frozen=True)
 class HeadShard:
@@ -76,11 +82,16 @@ def check_header(h: TransferHeader, layout: KVLayout, shard: HeadShard,
                               f"(layers, kv_heads, head_dim, block_size) {got}, expected {want}")
     if h.dtype != layout.dtype:
         return LayoutMismatch(RefuseReason.DTYPE, f"dtype {h.dtype}, expected {layout.dtype}")
-    if (h.head_start, h.head_count) != (shard.head_start, shard.head_count):
-        # Re-sharding between different TP sizes is a later step; until then ranges must match.
+    from kv_transfer.reshard import is_planned  # reshard builds on HeadShard, defined here
+
+    sender = HeadShard(h.tp_size, h.tp_rank, h.head_start, h.head_count)
+    same = (h.head_start, h.head_count) == (shard.head_start, shard.head_count)
+    if not (same or is_planned(layout.num_kv_heads, sender, shard)):
+        # Between different TP sizes only the pieces reshard.plan assigns this rank may come in.
         return LayoutMismatch(RefuseReason.HEAD_RANGE,
-                              f"heads [{h.head_start}, {h.head_start + h.head_count}), this receiver holds "
-                              f"[{shard.head_start}, {shard.head_start + shard.head_count})")
+                              f"heads [{h.head_start}, {h.head_start + h.head_count}) from rank {h.tp_rank} of "
+                              f"TP {h.tp_size}: not a piece for rank {shard.tp_rank} of TP {shard.tp_size}, which "
+                              f"holds [{shard.head_start}, {shard.head_start + shard.head_count})")
     if h.checksum_algo == ChecksumAlgo.XXH3_64 and device.type != "cpu":
         return LayoutMismatch(RefuseReason.CHECKSUM_ALGO, f"XXH3_64 cannot be checked on {device} in place")
     return None

@@ -13,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from engine import EngineConfig, KVExport, LLMEngine, RequestOutput, Role
 from engine.engine_loop import EngineLoop
 from kv_transfer import KVLayout, KVTransferError, SenderChannel, TransferConfig, connect
+from kv_transfer.reshard import ShardedSender, connect_group
 from router.config import IndexLink
 from router.index_publisher import with_events, worker_publisher
 from router.types import Aborted, GenerateRequest, PrefillResult
@@ -29,9 +30,10 @@ class PrefillWorker:
         self.loop = EngineLoop(self.engine, name=f"{worker_id}-engine").start()
         # Its lease and cache events in Redis, when the cluster has an index (else none).
         self.publisher = worker_publisher(index, worker_id, "prefill", self.loop, True) if index else None
-        self.layout = KVLayout.from_kv_cache(self.engine.model_id, self.engine.runner.kv_cache)
+        self.layout = KVLayout.of_model(self.engine.model_id, self.engine.runner.kv_cache,
+                                        self.engine.model_config.num_kv_heads)
         self.transfer_cfg = transfer_cfg
-        self.channels: dict[str, SenderChannel] = {}
+        self.channels: dict[str, SenderChannel | ShardedSender] = {}
         # One thread per channel: sends leave in the order decode workers pulled them.
         self.senders: dict[str, ThreadPoolExecutor] = {}
         # Prefilled requests' KV, copied out of the pool, until their decode worker pulls it.
@@ -40,9 +42,14 @@ class PrefillWorker:
         # Prefills not yet answered: abort() must answer them, as the engine then reports nothing.
         self.pending: dict[str, Future[PrefillResult]] = {}
 
-    def connect(self, decode_id: str, address: tuple[str, int]) -> None:
-        """Join decode worker `decode_id`'s transfer server (blocks until it accepts)."""
-        self.channels[decode_id] = connect(address, self.layout, self.transfer_cfg, name=self.worker_id)
+    def connect(self, decode_id: str, address: tuple[str, int] | list[tuple[str, int]]) -> None:
+        """Join decode worker `decode_id`'s transfer server (blocks until it accepts). A list of
+        addresses is a tensor-parallel decode worker, one per rank: each rank gets its own pair
+        and, per request, exactly its KV heads (kv_transfer.reshard)."""
+        if isinstance(address, list):
+            self.channels[decode_id] = connect_group(address, self.layout, self.transfer_cfg, self.worker_id)
+        else:
+            self.channels[decode_id] = connect(address, self.layout, self.transfer_cfg, name=self.worker_id)
         self.senders[decode_id] = ThreadPoolExecutor(1, thread_name_prefix=f"{self.worker_id}-to-{decode_id}")
 
     def disconnect(self, decode_id: str) -> None:
@@ -146,4 +153,4 @@ def worker_health(worker_id: str, loop: EngineLoop, publisher) -> dict:
     e = loop.engine
     return {"worker_id": worker_id, **loop.health(), "model_id": e.model_id, "block_size": e.block_size,
             "free_blocks": e.pool.num_free, "running": len(e.scheduler.running),
-            "index": publisher.status() if publisher is not None else None}
+            "index": publisher.status() if publisher is not None else None, **e.runner.health()}
