@@ -16,8 +16,7 @@ from loadtest import report
 
 sys.path.insert(0, str(Path(__file__).parent))
 from openai_stub import BLOCK, OpenAIStub  # noqa: E402
-
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_conversation_trace.jsonl"
+from shared_data import shared_data  # noqa: E402
 
 
 def bench(stub: OpenAIStub, out: Path, *flags: str) -> dict:
@@ -80,9 +79,10 @@ def test_broken_streams_are_errors_of_their_kind(tmp_path: Path) -> None:
 
 
 def test_trace_replay_shares_the_prefixes_its_hash_ids_share(tmp_path: Path, capsys) -> None:
+    trace = shared_data("mooncake_conversation_trace.jsonl")
     with OpenAIStub() as stub:  # the live progress display on (stderr), as a person runs it
         assert cli.main(["bench", "run", "--url", stub.url, "--output-dir", str(tmp_path), "--workload", "trace",
-                         "--trace-file", str(TRACE), "--num-prompts", "5", "--trace-length-scale", "0.03125",
+                         "--trace-file", str(trace), "--num-prompts", "5", "--trace-length-scale", "0.03125",
                          "--trace-output-scale", "0.01", "--trace-time-scale", "0.001", "--max-concurrency", "1"]) == 0
     assert "5/5" in capsys.readouterr().err
     run, = json.loads((tmp_path / "result.json").read_text())["runs"]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from shared_data import SHARED_DATA, shared_data
 
 from loadtest.arrivals import arrival_offsets
 from loadtest.types import Session, Turn
@@ -22,7 +23,8 @@ from loadtest.workloads.tokens import FIRST_ID, as_text, sample_lengths
 from loadtest.workloads.trace import TraceFormatError, load_rows
 
 # The shared Mooncake conversation trace, next to the repository (../shared/data/).
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_conversation_trace.jsonl"
+TRACE_NAME = "mooncake_conversation_trace.jsonl"
+TRACE = SHARED_DATA / TRACE_NAME
 
 CONFIGS = [RandomWorkload(num_prompts=20, input_len="8:64", output_len="normal:16,4"),
            SharedPrefixWorkload(num_groups=3, prompts_per_group=4, system_prompt_len=48, question_len=8),
@@ -32,6 +34,8 @@ CONFIGS = [RandomWorkload(num_prompts=20, input_len="8:64", output_len="normal:1
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.kind)
 def test_the_same_seed_gives_the_same_requests(cfg) -> None:
+    if cfg.kind == "trace":
+        shared_data(TRACE_NAME)
     first, again = build_sessions(cfg), build_sessions(cfg)
     assert first == again
     other = build_sessions(cfg.model_copy(update={"seed": 1}))
@@ -93,6 +97,7 @@ def test_multi_turn_sessions() -> None:
 
 
 def test_trace_rows_become_token_blocks_shared_by_hash_id() -> None:
+    shared_data(TRACE_NAME)
     rows = load_rows(TRACE)[:50]
     sessions = build_sessions(TraceWorkload(path=TRACE, num_prompts=50))
     assert [len(s.turns[0].content) for s in sessions] == [r["input_length"] for r in rows]
@@ -113,6 +118,7 @@ def test_trace_rows_become_token_blocks_shared_by_hash_id() -> None:
 
 
 def test_trace_scaling_and_selection() -> None:
+    shared_data(TRACE_NAME)
     rows = load_rows(TRACE)
     cfg = TraceWorkload(path=TRACE, start_s=60, window_s=30, length_scale=1 / 32, output_scale=0.5, time_scale=0.1)
     sessions = build_sessions(cfg)
