@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -94,19 +95,47 @@ class ClusterBackend:
 
     async def agenerate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
         """generate() for an event loop, with the request's salt, session and priority. Leaving
-        early (aclose(), or the task cancelled) aborts the request and frees its KV."""
+        early (aclose(), or the task cancelled) aborts the request and frees its KV.
+
+        A thread reads the router's stream with blocking ray.get and hands chunks to the loop:
+        iterating a Ray streaming generator asynchronously costs several times more per chunk."""
+        loop = asyncio.get_running_loop()
         stream = self.router.generate.remote(req)
+        queue: asyncio.Queue[Chunk | BaseException] = asyncio.Queue()
+        ended = asyncio.Event()  # the reading thread has stopped
+
+        def hand_over(fn, *args) -> None:
+            try:
+                loop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+        def read() -> None:
+            try:
+                for ref in stream:
+                    chunk = _get(ref)
+                    hand_over(queue.put_nowait, chunk)
+                    if chunk.finished:
+                        return
+                hand_over(queue.put_nowait, NoWorker("the router's stream ended without a last chunk; retry"))
+            except BaseException as exc:  # noqa: BLE001 - every failure goes to the reader
+                hand_over(queue.put_nowait, exc)
+            finally:
+                hand_over(ended.set)
+
+        threading.Thread(target=read, name=f"stream-{req.request_id}", daemon=True).start()
         finished = False
         try:
-            async for ref in stream:
-                chunk = await _aget(ref)
-                finished = chunk.finished
-                yield chunk
-                if finished:
-                    return
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the stream is over: nothing to abort
+                    raise item
+                finished = item.finished
+                yield item
         finally:
             if not finished:  # shielded: a second cancellation must not stop the abort half-way
-                await asyncio.shield(self._aabort(req.request_id, stream))
+                await asyncio.shield(self._aabort(req.request_id, stream, ended))
 
     def health(self) -> tuple[bool, dict]:
         try:
@@ -158,8 +187,8 @@ class ClusterBackend:
             return
         ray.cancel(stream)
 
-    async def _aabort(self, request_id: str, stream) -> None:
-        """_abort() on the event loop."""
+    async def _aabort(self, request_id: str, stream, ended: asyncio.Event) -> None:
+        """_abort() on the event loop, while agenerate's thread reads the stream to its end."""
         try:
             aborted = await asyncio.wait_for(self.router.abort.remote(request_id), STATUS_TIMEOUT_S)
         except Exception as exc:
@@ -167,30 +196,11 @@ class ClusterBackend:
             aborted = False
         if aborted:
             try:
-                await asyncio.wait_for(_drain_async(stream), ABORT_DRAIN_S)
+                await asyncio.wait_for(ended.wait(), ABORT_DRAIN_S)
                 return
-            except Exception as exc:  # timed out, or the stream failed: nothing more to read
-                log.debug("aborted stream %s ended with %r", request_id, exc)
+            except asyncio.TimeoutError:
+                log.debug("aborted stream %s did not end in %s s", request_id, ABORT_DRAIN_S)
         ray.cancel(stream)
-
-
-async def _drain_async(stream) -> None:
-    async for ref in stream:
-        if (await ref).finished:
-            return
-
-
-async def _aget(ref) -> Chunk:
-    """_get() awaited."""
-    try:
-        return await ref
-    except RayTaskError as exc:
-        cause = exc.cause
-        if isinstance(cause, RayActorError):
-            raise NoWorker(f"a worker died mid-request ({type(cause).__name__}); retry") from None
-        raise cause from None
-    except RayActorError as exc:
-        raise NoWorker(f"the router is down: {type(exc).__name__}; retry shortly") from None
 
 
 def _get(ref) -> Chunk:

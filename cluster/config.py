@@ -19,6 +19,15 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class SupervisorConfig(_Frozen):
+    """Replacing workers that stay unhealthy (cluster/supervisor.py; `brigade serve` only)."""
+
+    enabled: bool = True
+    grace_s: float = Field(10.0, gt=0)  # unhealthy this long (by the router's checks) before it is replaced
+    interval_s: float = Field(1.0, gt=0)
+    status_timeout_s: float = Field(10.0, gt=0)
+
+
 class WorkerEngine(_Frozen):
     """Engine settings every worker shares (each worker gets its own pool of this size)."""
 
@@ -51,6 +60,7 @@ class ClusterConfig(_Frozen):
     frontdoor: FrontDoorConfig = FrontDoorConfig()
     transfer: TransferConfig = TransferConfig()
     parallel: WorkerParallelism = WorkerParallelism()
+    supervisor: SupervisorConfig = SupervisorConfig()
 
     @model_validator(mode="after")
     def _check(self) -> ClusterConfig:

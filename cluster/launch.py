@@ -121,9 +121,10 @@ class Cluster:
 
     def replace_worker(self, worker_id: str) -> str:
         """Tear a worker down (a TP/EP worker: all its ranks and its placement group, as a unit)
-        and start a fresh one of the same role under a new id; returns that id. The old id stays
-        in the router as unhealthy, so it gets no traffic."""
+        and start a fresh one of the same role under a new id; returns that id. The router
+        forgets the old one first, so nothing is routed or paired to it meanwhile."""
         role = worker_id.rsplit("-", 1)[0]
+        ray.get(self.router.remove_worker.remote(worker_id))
         handle = self.workers.pop(worker_id)
         self.retired.append(worker_id)
         ray.kill(handle)

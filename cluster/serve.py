@@ -178,6 +178,7 @@ class _Services:
     def __init__(self) -> None:
         self.redis = None
         self.cluster = None
+        self.supervisor = None
         self.ray_started = False
         self.backend = None
 
@@ -211,8 +212,15 @@ class _Services:
         signals.check()
         backend.attach(self.cluster)
         self.backend = backend
+        if cfg.supervisor.enabled:
+            from cluster.supervisor import Supervisor
+
+            self.supervisor = Supervisor(self.cluster, cfg.supervisor).start()
 
     def stop(self) -> None:
+        if self.supervisor is not None:  # first: nothing may be restarted while stopping
+            _quietly(self.supervisor.stop)
+            self.supervisor = None
         if self.cluster is not None:
             _quietly(self.cluster.shutdown)
             self.cluster = None

@@ -115,6 +115,10 @@ class DecodeActor:
     async def stats(self) -> dict:
         return await asyncio.to_thread(self.worker.stats)
 
+    async def disconnect(self, prefill_id: str) -> None:
+        """Close the pair with a prefill worker that left the cluster."""
+        await asyncio.to_thread(self.worker.drop_channel, prefill_id)
+
     async def shutdown(self) -> None:
         await asyncio.to_thread(self.worker.close)
 

@@ -39,5 +39,9 @@ class PrefillActor:
     async def stats(self) -> dict:
         return await asyncio.to_thread(self.worker.stats)
 
+    async def disconnect(self, decode_id: str) -> None:
+        """Close the pair with a decode worker that left the cluster."""
+        await asyncio.to_thread(self.worker.disconnect, decode_id)
+
     async def shutdown(self) -> None:
         await asyncio.to_thread(self.worker.close)

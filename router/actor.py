@@ -21,6 +21,9 @@ class RouterActor:
     async def add_worker(self, role: str, worker_id: str, handle) -> None:
         await self.router.add_worker(role, worker_id, handle)
 
+    async def remove_worker(self, worker_id: str) -> bool:
+        return await self.router.remove_worker(worker_id)
+
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
         async for chunk in self.router.generate(req):
             yield chunk

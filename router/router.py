@@ -65,13 +65,27 @@ class Router:
             self.index.bind(report["model_id"], report["block_size"])
         if not self.colocated:
             other = "decode" if role == "prefill" else "prefill"
-            for w in [w for w in self.workers.values() if w.role == other]:  # one accept at a time per server
+            # Healthy ones only: a dead counterpart would hold the pairing until its timeout.
+            for w in [w for w in self.workers.values() if w.role == other and w.healthy]:  # one accept at a time
                 await (self._pair(ref, w) if role == "prefill" else self._pair(w, ref))
         self.workers[worker_id] = ref
         if self.index is not None:
             await self.index.refresh()  # its lease, so the first request already sees its cache
         if self._health_task is None:
             self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+
+    async def remove_worker(self, worker_id: str) -> bool:
+        """Forget a worker (dead, or being replaced): no request is routed to it from now on,
+        and its counterparts close their pairs with it. False if it was not registered."""
+        ref = self.workers.pop(worker_id, None)
+        if ref is None:
+            return False
+        peers = [w for w in self.workers.values() if worker_id in w.peers]
+        for w in peers:
+            w.peers.discard(worker_id)
+        await asyncio.gather(*(asyncio.wait_for(w.handle.disconnect.remote(worker_id), self.cfg.health_timeout_s)
+                               for w in peers), return_exceptions=True)
+        return True
 
     async def _pair(self, prefill: WorkerRef, decode: WorkerRef) -> None:
         address = await decode.handle.address.remote()
@@ -181,24 +195,29 @@ class Router:
         self._active[rid] = (prefill, None)
         prefilling, decode = True, None
         try:
-            decode = await self._reserve(req, prefill)
+            # max_tokens 1: the prefill worker's first token is the whole answer, so no decode
+            # worker is needed (nor a reservation that would hold its blocks through the prefill).
+            if req.params.max_tokens > 1:
+                decode = await self._reserve(req, prefill)
             self._active[rid] = (prefill, decode)
             start = time.monotonic()
             try:
                 first = await prefill.handle.prefill.remote(req)
             except BaseException as exc:
-                await decode.handle.abort.remote(rid)  # frees the reservation
+                if decode is not None:
+                    await decode.handle.abort.remote(rid)  # frees the reservation
                 if not (rid in self._aborted and isinstance(exc, Exception)):
                     raise
                 yield _abort_chunk(rid), prefill, decode  # abort() ended the prefill
                 return
             timing.prefill_s = time.monotonic() - start
             if rid in self._aborted:  # while reserving, or before the prefill worker had the request
-                await asyncio.gather(prefill.handle.abort.remote(rid), decode.handle.abort.remote(rid))
+                await asyncio.gather(*(w.handle.abort.remote(rid) for w in (prefill, decode) if w is not None))
                 yield _abort_chunk(rid), prefill, decode
                 return
             if first.finished:  # the first token already ended it: nothing to transfer
-                await decode.handle.abort.remote(rid)
+                if decode is not None:
+                    await decode.handle.abort.remote(rid)
                 yield Chunk(rid, [first.first_token_id], first.text, True, first.finish_reason,
                             first.usage, [first.first_logprobs] if first.first_logprobs else None), prefill, None
                 return

@@ -14,8 +14,9 @@ import pytest
 import ray
 from test_cluster import BS, NUM_BLOCKS, PARAMS, PROMPTS, collect, wait_for
 
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, SupervisorConfig
 from cluster.launch import launch, start_ray
+from cluster.supervisor import Supervisor
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from engine.model_config import ModelConfig
 from engine.presets import resolve_model
@@ -108,8 +109,15 @@ def test_a_killed_rank_fails_the_group_fast_then_the_group_is_replaced(group_clu
     wait_for(lambda: not ray.get(group_cluster.router.status.remote())["workers"]["decode-0"]["healthy"], 30.0,
              "the router stops routing to decode-0")
 
-    new = group_cluster.replace_worker("decode-0")  # every rank and the placement group, as a unit
-    assert new == "decode-1" and "decode-0" not in group_cluster.groups
+    # The supervisor replaces it: every rank and the placement group, as a unit, once the
+    # router has seen it unhealthy for the grace period.
+    supervisor = Supervisor(group_cluster, SupervisorConfig(grace_s=0.05))
+    assert supervisor.check_once() == []  # unhealthy from now on, not yet for the grace period
+    time.sleep(0.1)
+    assert supervisor.check_once() == [("decode-0", "decode-1")]
+    assert "decode-0" not in group_cluster.groups
+    workers = ray.get(group_cluster.router.status.remote())["workers"]
+    assert "decode-0" not in workers and workers["decode-1"]["healthy"]
     results = run(group_cluster, IDS, "replaced")
     assert [tokens for tokens, _ in results] == expected()
     assert all(last.decode_worker == "decode-1" for _, last in results)
