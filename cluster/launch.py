@@ -12,6 +12,7 @@ from cluster.config import ClusterConfig, cpu_budget
 from decode_worker.actor import DecodeActor
 from decode_worker.group import Group, start_group, stop_group
 from engine import Role
+from kv_transfer.config import NODE_HOST
 from prefill_worker.actor import PrefillActor
 from router.actor import RouterActor
 from router.config import IndexLink
@@ -106,14 +107,17 @@ class Cluster:
             return DecodeActor.options(**opts).remote(worker_id, engine_cfg, cfg.transfer, engine_role, self.index)
 
         tp, ep = cfg.parallel.sizes(role)
+        custom = cfg.placement.resources(role)  # e.g. only the pods of a KubeRay worker group have them
         if max(tp, ep) > 1:
             bundle = {"GPU": 1} if "num_gpus" in place.options else {"CPU": place.options["num_cpus"]}
-            group = start_group(worker_id, start, engine_cfg, tp, ep, bundle, cfg.host, cfg.parallel.timeout_s,
-                                receive_kv=cfg.transfer if role == "decode" else None)
+            # The group's rendezvous is on its own node when transfer.host is "node" (pods), else on --host.
+            rendezvous = NODE_HOST if cfg.transfer.host == NODE_HOST else cfg.host
+            group = start_group(worker_id, start, engine_cfg, tp, ep, {**bundle, **custom}, rendezvous,
+                                cfg.parallel.timeout_s, receive_kv=cfg.transfer if role == "decode" else None)
             self.groups[worker_id] = group
             handle = group.leader
         else:
-            handle = start(engine_cfg, place.options)
+            handle = start(engine_cfg, {**place.options, "resources": custom} if custom else place.options)
         ray.get(handle.health.remote())  # surfaces a failed start (bad model path, ...) here
         ray.get(self.router.add_worker.remote(role, worker_id, handle))
         self.workers[worker_id] = handle
