@@ -35,7 +35,18 @@ def start_ray(cfg: ClusterConfig) -> None:
     # Twice the budget leaves room for workers added after start.
     ray.init(num_cpus=int(2 * max(cpu_budget(cfg), 1)), include_dashboard=False, namespace=NAMESPACE,
              object_store_memory=OBJECT_STORE_BYTES, _node_ip_address=cfg.host,
-             runtime_env={"env_vars": env})
+             resources=local_resources(cfg) or None, runtime_env={"env_vars": env})
+
+
+def local_resources(cfg: ClusterConfig) -> dict[str, float]:
+    """The `placement` resources a local Ray provides itself (on a cluster its nodes do), twice
+    what the workers take, as with CPUs, so a config written for KubeRay also runs locally."""
+    out: dict[str, float] = {}
+    roles = [("prefill", cfg.num_prefill), ("mixed" if cfg.mode == "colocated" else "decode", cfg.decode)]
+    for role, workers in roles:
+        for name, per_rank in cfg.placement.resources(role).items():
+            out[name] = out.get(name, 0.0) + 2 * workers * cfg.parallel.ranks(role) * per_rank
+    return out
 
 
 def is_loopback(host: str) -> bool:
