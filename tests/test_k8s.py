@@ -16,9 +16,11 @@ import re
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from functools import cache
@@ -28,6 +30,7 @@ import grpc
 import jsonschema
 import kubernetes_validate
 import pytest
+import redis as redis_py
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -505,3 +508,42 @@ def test_the_cpu_dev_config_serves(tmp_path: Path) -> None:
             print(printed[-5000:], file=sys.stderr)
         assert code == 0
         assert password not in printed and token not in printed
+
+
+@pytest.mark.parametrize("overlay", ["cpu-dev", "gpu-prod"])
+def test_the_redis_container_command_sets_the_password(overlay: str, tmp_path: Path) -> None:
+    """The StatefulSet's own shell line, run with the local redis-server (only its data
+    directory and port moved): the password from the env var is required, and the probe's
+    `redis-cli ping` answers PONG with REDISCLI_AUTH."""
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        pytest.fail("needs redis-server and redis-cli: run `make system-deps`")
+    c = one(rendered(overlay), "StatefulSet", "brigade-redis")["spec"]["template"]["spec"]["containers"][0]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = c["args"][0].replace("dir /data", f"dir {tmp_path}\nport {port}\nbind 127.0.0.1")
+    assert script != c["args"][0]
+    password = "0123abcd" * 4
+    env = {**os.environ, **{e["name"]: password for e in c["env"]}}
+    proc = subprocess.Popen([*c["command"], script], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = redis_py.Redis(port=port, password=password, socket_connect_timeout=1)
+        for _ in range(100):
+            try:
+                assert client.ping()
+                break
+            except redis_py.ConnectionError:
+                assert proc.poll() is None, f"redis exited with {proc.returncode}"
+                time.sleep(0.05)
+        else:
+            pytest.fail("redis did not answer")
+        with pytest.raises(redis_py.AuthenticationError):
+            redis_py.Redis(port=port).ping()
+        probe = c["readinessProbe"]["exec"]["command"]
+        probe = [*probe[:-1], probe[-1].replace("redis-cli", f"redis-cli -p {port}")]
+        assert subprocess.run(probe, env=env, timeout=10).returncode == 0
+        assert subprocess.run(probe, env={**env, "REDISCLI_AUTH": "wrong"}, timeout=10).returncode != 0
+        assert client.config_get("appendonly")["appendonly"] == ("yes" if overlay == "gpu-prod" else "no")
+    finally:
+        proc.terminate()
+        assert proc.wait(10) == 0  # exec: redis-server itself got the SIGTERM and shut down cleanly
