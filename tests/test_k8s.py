@@ -412,6 +412,18 @@ def test_a_node_host_becomes_each_workers_own_address() -> None:
     assert TransferConfig(host="127.0.0.1").on_node("10.0.0.9").host == "127.0.0.1"
 
 
+def test_a_tp_groups_rendezvous_is_on_its_own_node() -> None:
+    """decode_worker.group._free_port (run on bundle 0's node) answers that node's address for "node"."""
+    import ray
+
+    from decode_worker.group import _free_port
+    from kv_transfer.config import NODE_HOST
+
+    host, port = _free_port._function(NODE_HOST)
+    assert host == ray.util.get_node_ip_address() and 0 < port < 65536
+    assert _free_port._function("127.0.0.1")[0] == "127.0.0.1"
+
+
 def test_serve_check_prints_the_resolved_config_and_starts_nothing(tmp_path: Path, capsys) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("model: tiny\nhttp_port: 8123\n")
@@ -547,3 +559,20 @@ def test_the_redis_container_command_sets_the_password(overlay: str, tmp_path: P
     finally:
         proc.terminate()
         assert proc.wait(10) == 0  # exec: redis-server itself got the SIGTERM and shut down cleanly
+
+
+def _bytes(quantity: str) -> int:
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+    return int(quantity[:-2]) * units[quantity[-2:]] if quantity[-2:] in units else int(quantity)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_object_store_fits_the_shared_memory_volume(overlay: str) -> None:
+    ray = one(rendered(overlay), "RayCluster")["spec"]
+    for group in [ray["headGroupSpec"], *ray["workerGroupSpecs"]]:
+        pod = group["template"]["spec"]
+        shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+        ray_c = pod["containers"][0]  # KubeRay's Ray container is the first
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in ray_c["volumeMounts"]
+        assert int(group["rayStartParams"]["object-store-memory"]) <= _bytes(shm["emptyDir"]["sizeLimit"])
+        assert _bytes(shm["emptyDir"]["sizeLimit"]) <= _bytes(ray_c["resources"]["limits"]["memory"])
