@@ -383,6 +383,10 @@ def test_the_images_install_as_the_readme_does() -> None:
         steps = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
         assert "pip" not in steps, f"{name}: installs must go through make venv"
         assert "COPY . ." in text
+        for command in ("ray", "brigade", "brigade-client"):  # KubeRay's `ray start`, the head's command
+            assert f"/opt/brigade/.venv/bin/{command} " in text and "/usr/local/bin/" in text, (name, command)
+    head_pod = head(rendered("cpu-dev"))
+    assert container(head_pod, "brigade")["command"][0] == "brigade"
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"^serve: venv", makefile, flags=re.M)  # `make serve` is `make venv` and then serve
     assert "make serve" in (ROOT / "README.md").read_text()
