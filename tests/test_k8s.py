@@ -161,12 +161,17 @@ def config_of(docs, tmp_path: Path) -> tuple[Path, ClusterConfig]:
 
 
 def serve_args(docs) -> list[str]:
+    """`brigade serve`'s argv in the head pod: the command waits for the GCS at --ray-address,
+    then execs `brigade serve` with the container's args."""
     brigade_c = container(head(docs), "brigade")
-    assert brigade_c["command"] == ["brigade", "serve"]
+    shell, flag, script, _name = brigade_c["command"]
+    assert (shell, flag) == ("sh", "-c") and script.rstrip().endswith('exec brigade serve "$@"')
+    args = brigade_c["args"]
+    assert f'--address "{args[args.index("--ray-address") + 1].replace("$(POD_IP)", "$POD_IP")}"' in script
     mount = next(m for m in brigade_c["volumeMounts"] if m["name"] == "config")
     config_volume = next(v for v in head(docs)["volumes"] if v["name"] == "config")
     assert config_volume["configMap"]["name"] == "brigade-config"
-    args = [*brigade_c["command"][1:], *(a.replace("$(POD_IP)", POD_IP) for a in brigade_c["args"])]
+    args = ["serve", *(a.replace("$(POD_IP)", POD_IP) for a in brigade_c["args"])]
     assert args[args.index("--config") + 1] == f"{mount['mountPath']}/cluster.yaml"
     return args
 
@@ -385,8 +390,7 @@ def test_the_images_install_as_the_readme_does() -> None:
         assert "COPY . ." in text
         for command in ("ray", "brigade", "brigade-client"):  # KubeRay's `ray start`, the head's command
             assert f"/opt/brigade/.venv/bin/{command} " in text and "/usr/local/bin/" in text, (name, command)
-    head_pod = head(rendered("cpu-dev"))
-    assert container(head_pod, "brigade")["command"][0] == "brigade"
+    assert "exec brigade serve" in container(head(rendered("cpu-dev")), "brigade")["command"][2]
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"^serve: venv", makefile, flags=re.M)  # `make serve` is `make venv` and then serve
     assert "make serve" in (ROOT / "README.md").read_text()
