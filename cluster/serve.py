@@ -21,7 +21,7 @@ import time
 import yaml
 
 from cluster.cli import UsageError
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, redis_url_with_password
 from router.auth import Authenticator, AuthSetupError
 from router.grpc_server import GrpcServer
 from router.http_api import ApiServer, TLSSetupError
@@ -46,8 +46,13 @@ def run(args, cfg: ClusterConfig) -> int:
     print(config_yaml(cfg), end="", flush=True)
     try:  # one of each per process, shared by both front doors
         auth = Authenticator.from_config(cfg.frontdoor.auth)
-    except AuthSetupError as exc:
+        redis_url = redis_url_with_password(cfg.redis_url, cfg.redis_password_env) if cfg.redis_url else None
+    except (AuthSetupError, ValueError) as exc:
         raise UsageError(str(exc)) from None
+    if getattr(args, "check", False):
+        check_files(cfg)
+        print("# config OK", flush=True)
+        return 0
     metrics = FrontDoorMetrics()
     try:  # before anything slow, so a taken port or a bad certificate fails at once
         server = ApiServer(cfg.host, cfg.http_port, cfg.frontdoor, metrics=metrics, auth=auth)
@@ -67,7 +72,7 @@ def run(args, cfg: ClusterConfig) -> int:
     stopping = False  # a stop was asked for (rather than an error): say when it is done
     try:
         try:
-            services.start(cfg, signals)
+            services.start(cfg, signals, redis_url)
         except _Stop as why:
             print(f"{why} during start-up: stopping", file=sys.stderr, flush=True)
             stopping = True
@@ -98,6 +103,14 @@ def run(args, cfg: ClusterConfig) -> int:
         services.stop()
         if stopping:
             print("stopped", file=sys.stderr, flush=True)
+
+
+def check_files(cfg: ClusterConfig) -> None:
+    """--check: the TLS files exist and are readable (serving loads them; this only looks)."""
+    for name in ("cert_file", "key_file"):
+        path = getattr(cfg.frontdoor.tls, name)
+        if path is not None and not os.access(path, os.R_OK):
+            raise UsageError(f"frontdoor.tls.{name} {path}: not a readable file; check the path or the mount")
 
 
 def _finished(drained, timeout_s: float) -> bool:
@@ -182,7 +195,7 @@ class _Services:
         self.ray_started = False
         self.backend = None
 
-    def start(self, cfg: ClusterConfig, signals: _Signals) -> None:
+    def start(self, cfg: ClusterConfig, signals: _Signals, redis_url: str | None) -> None:
         from cluster.redis_server import EmbeddedRedis, RedisServerError
         from cluster.registry import RegistryError, connect
 
@@ -193,10 +206,10 @@ class _Services:
         backend = ClusterBackend(cfg)  # reads config.json + tokenizer: a bad --model fails before Ray
         signals.check()
         try:
-            if cfg.redis_url is None:
+            if redis_url is None:
                 self.redis = EmbeddedRedis().start()
                 print(f"redis: embedded redis-server at {self.redis.url}", file=sys.stderr, flush=True)
-            redis_url = cfg.redis_url or self.redis.url
+                redis_url = self.redis.url
             connect(redis_url).close()  # a wrong password or unreachable Redis fails here, saying which
         except (RedisServerError, RegistryError) as exc:
             raise UsageError(str(exc)) from None

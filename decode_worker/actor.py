@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 class DecodeActor:
     def __init__(self, worker_id: str, engine_cfg: EngineConfig, transfer_cfg: TransferConfig,
                  role: Role = Role.DECODE, index: IndexLink | None = None):
+        transfer_cfg = transfer_cfg.on_node(ray.util.get_node_ip_address())
         self.worker = DecodeWorker(worker_id, engine_cfg, transfer_cfg, role, index)
         self.streams: dict[str, OutputStream] = {}  # requests streaming from here, for abort()
         self.ranks: list = []  # a tensor-parallel worker's other ranks (decode_worker.group.RankActor)

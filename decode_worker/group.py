@@ -31,6 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from engine import EngineConfig, LLMEngine
 from engine.parallel import ParallelConfig
 from kv_transfer import KVLayout, KVTransferError, ReceiverChannel, TransferConfig, TransferServer
+from kv_transfer.config import NODE_HOST
 from kv_transfer.reshard import shard_of
 
 
@@ -48,7 +49,7 @@ class RankActor:
         self.channels: dict[str, ReceiverChannel] = {}
         if transfer_cfg is not None:
             heads = engine.model_config.num_kv_heads
-            self.server = TransferServer(transfer_cfg)
+            self.server = TransferServer(transfer_cfg.on_node(ray.util.get_node_ip_address()))
             self.layout = KVLayout.of_model(engine.model_id, self.runner.kv_cache, heads)
             self.shard = shard_of(heads, self.runner.plan.tp_size, self.runner.group.rank)
             self.runner.receive_local = self._receive
@@ -89,11 +90,14 @@ class RankActor:
 
 
 @ray.remote(num_cpus=0)
-def _free_port(host: str) -> int:
-    """A free port on the node this runs on (bundle 0's, where rank 0 hosts the store)."""
+def _free_port(host: str) -> tuple[str, int]:
+    """A free port on the node this runs on (bundle 0's, where rank 0 hosts the store); host
+    "node" (kv_transfer.NODE_HOST) is that node's own address."""
+    if host == NODE_HOST:
+        host = ray.util.get_node_ip_address()
     with socket.socket() as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        return host, s.getsockname()[1]
 
 
 @dataclass
@@ -115,7 +119,7 @@ def start_group(worker_id: str, start_leader: Callable[[EngineConfig, dict], obj
     try:
         ray.get(pg.ready(), timeout=timeout_s)
         at = lambda i: PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)  # noqa: E731
-        port = ray.get(_free_port.options(scheduling_strategy=at(0)).remote(host))
+        host, port = ray.get(_free_port.options(scheduling_strategy=at(0)).remote(host))
         base = ParallelConfig(tp_size=tp, ep_size=ep, rendezvous=f"tcp://{host}:{port}", timeout_s=timeout_s)
         cfg = lambda r: engine_cfg.model_copy(update={"parallel": base.model_copy(update={"rank": r})})  # noqa: E731
         res = {"num_cpus": bundle.get("CPU", 0), "num_gpus": bundle.get("GPU", 0)}

@@ -6,6 +6,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _WILDCARDS = {"", "0.0.0.0", "::", "*", "[::]"}
+NODE_HOST = "node"
 
 
 class TransferConfig(BaseModel):
@@ -13,7 +14,9 @@ class TransferConfig(BaseModel):
 
     host: the address this process listens on and advertises (the receiver's rendezvous
       store and, on both sides, gloo's pair sockets). Loopback by default; a wildcard is
-      refused so nothing ever listens on every interface.
+      refused so nothing ever listens on every interface. NODE_HOST ("node"): the address of
+      the machine each worker runs on (its Ray node's, see on_node), for workers spread over
+      several machines or pods, where one fixed address cannot be every worker's.
     port_range: inclusive range the rendezvous store tries in order; None lets the OS pick.
       gloo's own pair sockets always use an ephemeral port on `host`.
     timeout_s: the bound on each blocking step of a transfer (header, ack, payload).
@@ -40,6 +43,10 @@ class TransferConfig(BaseModel):
         if host.strip() in _WILDCARDS:
             raise ValueError(f"host {host!r} would listen on every interface; name one address")
         return host
+
+    def on_node(self, node_ip: str) -> TransferConfig:
+        """These settings for a worker on the machine at `node_ip`: host "node" becomes it."""
+        return self.model_copy(update={"host": node_ip}) if self.host == NODE_HOST else self
 
     @model_validator(mode="after")
     def _check_ports(self) -> TransferConfig:

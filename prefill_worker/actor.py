@@ -16,6 +16,7 @@ from router.types import GenerateRequest, PrefillResult
 class PrefillActor:
     def __init__(self, worker_id: str, engine_cfg: EngineConfig, transfer_cfg: TransferConfig,
                  index: IndexLink | None = None):
+        transfer_cfg = transfer_cfg.on_node(ray.util.get_node_ip_address())
         self.worker = PrefillWorker(worker_id, engine_cfg, transfer_cfg, index)
 
     async def prefill(self, req: GenerateRequest) -> PrefillResult:
