@@ -7,12 +7,6 @@ streams one token a chunk and can refuse a request), then against a real `brigad
 from __future__ import annotations
 
 import json
-import os
-import select
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -21,6 +15,7 @@ import grpc
 import pytest
 from brigade_client.v1 import brigade_pb2 as pb
 from brigade_client.v1 import brigade_pb2_grpc
+from serve_process import brigade_serve
 
 from cluster import cli
 
@@ -82,28 +77,9 @@ def test_multi_turn_through_the_sdk_against_a_stand_in(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def grpc_target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from engine.presets import materialize
-
-    materialize("tiny")
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    cmd = [sys.executable, "-m", "cluster.cli", "serve", "--http-port", "0", "--grpc-port", "0", "--num-blocks", "256"]
-    with log.open("w") as err:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **RAY_ENV}, stdout=subprocess.PIPE, stderr=err,
-                                text=True)
-    try:
-        deadline, line = time.monotonic() + 180, ""
-        while not line.startswith("Brigade serving"):
-            ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-            line = proc.stdout.readline() if ready else ""
-            assert line, f"no ready line (exit code {proc.poll()}):\n{log.read_text()[-3000:]}"
-        yield line.split("grpc://")[1].split()[0]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    flags = ["--http-port", "0", "--grpc-port", "0", "--num-blocks", "256"]
+    with brigade_serve(flags, tmp_path_factory.mktemp("serve") / "serve.log") as served:
+        yield served.grpc_target
 
 
 def test_shared_prefix_over_grpc_against_brigade_serve(grpc_target: str, tmp_path: Path) -> None:

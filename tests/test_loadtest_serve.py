@@ -4,16 +4,12 @@ a handful of requests, one server for the module."""
 from __future__ import annotations
 
 import json
-import os
-import select
-import signal
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from serve_process import brigade_serve
 
 from cluster import cli
 
@@ -24,28 +20,9 @@ RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from engine.presets import materialize
-
-    materialize("tiny")
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with log.open("w") as err:
-        proc = subprocess.Popen(SERVE, cwd=ROOT, env={**os.environ, **RAY_ENV}, stdout=subprocess.PIPE,
-                                stderr=err, text=True)
-    try:
-        deadline, line = time.monotonic() + 180, ""
-        while not line.startswith("Brigade serving"):
-            ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-            line = proc.stdout.readline() if ready else ""
-            assert line, f"no ready line (exit code {proc.poll()}):\n{log.read_text()[-3000:]}"
-        yield line.split(" at ")[1].split()[0].removesuffix("/v1")
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        print(log.read_text()[-3000:], file=sys.stderr)
+    flags = ["--http-port", "0", "--grpc-port", "0", "--num-blocks", "256"]
+    with brigade_serve(flags, tmp_path_factory.mktemp("serve") / "serve.log") as served:
+        yield served.http_base
 
 
 def bench(url: str, out: Path, *flags: str) -> dict:

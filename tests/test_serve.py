@@ -10,7 +10,6 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
-import select
 import signal
 import socket
 import subprocess
@@ -19,58 +18,26 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import pytest
+from serve_process import RAY_ENV, Served, brigade_serve
 
 from cluster import cli
 from cluster.config import ClusterConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVE = [sys.executable, "-m", "cluster.cli", "serve", "--http-port", "0", "--grpc-port", "0", "--num-blocks", "256"]
-RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+SERVE = ["--http-port", "0", "--grpc-port", "0", "--num-blocks", "256"]
+SERVE_CMD = [sys.executable, "-m", "cluster.cli", "serve", *SERVE]
 TEXT = {"prompt": "hello world", "max_tokens": 8, "temperature": 0}
 IDS = {"prompt": [1, 2, 3], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
 
 
-@dataclass
-class Server:
-    proc: subprocess.Popen
-    base: str  # http://127.0.0.1:PORT
-    log: Path  # its stderr
-    out: list[str]  # its stdout lines up to the ready line
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    from engine.presets import materialize
-
-    materialize("tiny")  # once here, rather than raced by the server and the reference engine
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with log.open("w") as err:
-        proc = subprocess.Popen(SERVE, cwd=ROOT, env={**os.environ, **RAY_ENV}, stdout=subprocess.PIPE,
-                                stderr=err, text=True)
-    out: list[str] = []
-    try:
-        deadline = time.monotonic() + 120
-        while not (out and out[-1].startswith("Brigade serving")):
-            ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-            line = proc.stdout.readline() if ready else ""
-            assert line, f"no ready line within 120 s (exit code {proc.poll()}):\n{log.read_text()[-3000:]}"
-            out.append(line)
-        base = out[-1].split(" at ")[1].split()[0].removesuffix("/v1")
-        yield Server(proc, base, log, out)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        print(log.read_text()[-5000:], file=sys.stderr)  # pytest shows it on failure
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    with brigade_serve(SERVE, tmp_path_factory.mktemp("serve") / "serve.log") as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +91,7 @@ def _gone(p: psutil.Process) -> bool:
 # -- the server --------------------------------------------------------------------------------
 
 
-def test_prints_the_resolved_config_then_the_ready_line(server: Server) -> None:
+def test_prints_the_resolved_config_then_the_ready_line(server: Served) -> None:
     assert server.out[0].startswith("# brigade serve: resolved config")
     import yaml
 
@@ -135,10 +102,10 @@ def test_prints_the_resolved_config_then_the_ready_line(server: Server) -> None:
     assert server.out[-1].rstrip().endswith(" (1 prefill, 1 decode, disaggregated)")
 
 
-def test_the_grpc_door_serves_the_same_tokens(server: Server, reference) -> None:
+def test_the_grpc_door_serves_the_same_tokens(server: Served, reference) -> None:
     from brigade_client import Client
 
-    target = server.out[-1].split("grpc://")[1].split()[0]
+    target = server.grpc_target
     with Client(target, timeout=60) as client:
         assert client.health() == "SERVING"
         done = client.generate(TEXT["prompt"], max_tokens=8, temperature=0)
@@ -156,21 +123,21 @@ def _idle_health(base: str, timeout_s: float = 10.0) -> tuple[int, dict]:
         time.sleep(0.05)
 
 
-def test_completions_match_the_single_process_engine(server: Server, reference) -> None:
-    assert _idle_health(server.base) == (200, {
+def test_completions_match_the_single_process_engine(server: Served, reference) -> None:
+    assert _idle_health(server.http_base) == (200, {
         "status": "ok", "workers": {"prefill": 1, "decode": 1}, "running": 0, "waiting": 0, "prefix_index": "ok"})
-    status, models, _ = _request(f"{server.base}/v1/models")
+    status, models, _ = _request(f"{server.http_base}/v1/models")
     assert status == 200 and models["data"][0]["id"] == "tiny"
 
     for body, expected in ((TEXT, reference["text"]), (IDS, reference["ids"])):
-        status, done, _ = _request(f"{server.base}/v1/completions", {**body, "return_token_ids": True})
+        status, done, _ = _request(f"{server.http_base}/v1/completions", {**body, "return_token_ids": True})
         assert status == 200, done
         choice = done["choices"][0]
         assert choice["token_ids"] == expected
         assert choice["finish_reason"] == "length"
         assert done["usage"]["completion_tokens"] == len(expected)
 
-        with _stream(f"{server.base}/v1/completions",
+        with _stream(f"{server.http_base}/v1/completions",
                      {**body, "return_token_ids": True, "stream_options": {"include_usage": True}}) as resp:
             assert resp.headers["Content-Type"] == "text/event-stream"
             events = _events(resp)
@@ -182,31 +149,31 @@ def test_completions_match_the_single_process_engine(server: Server, reference) 
         assert usage == done["usage"]
 
 
-def test_bad_requests_get_openai_errors(server: Server) -> None:
-    status, err, _ = _request(f"{server.base}/v1/completions", {"prompt": [1, 2, 3], "temperature": -1})
+def test_bad_requests_get_openai_errors(server: Served) -> None:
+    status, err, _ = _request(f"{server.http_base}/v1/completions", {"prompt": [1, 2, 3], "temperature": -1})
     assert status == 400 and err["error"]["param"] == "temperature", err
     assert err["error"]["type"] == "invalid_request_error"
-    status, err, _ = _request(f"{server.base}/v1/completions", {"prompt": [1, 99999]})
+    status, err, _ = _request(f"{server.http_base}/v1/completions", {"prompt": [1, 99999]})
     assert status == 400 and err["error"]["param"] == "prompt" and "99999" in err["error"]["message"]
-    status, err, _ = _request(f"{server.base}/v1/completions", {"prompt": [1], "max_tokens": 5000})
+    status, err, _ = _request(f"{server.http_base}/v1/completions", {"prompt": [1], "max_tokens": 5000})
     assert status == 400 and err["error"]["param"] == "max_tokens"
-    assert _request(f"{server.base}/v1/completions", b"{not json")[0] == 400
-    assert _request(f"{server.base}/v1/completions", {"model": "gpt-4", "prompt": "x"})[0] == 404
-    assert _request(f"{server.base}/v1/nope")[0] == 404
+    assert _request(f"{server.http_base}/v1/completions", b"{not json")[0] == 400
+    assert _request(f"{server.http_base}/v1/completions", {"model": "gpt-4", "prompt": "x"})[0] == 404
+    assert _request(f"{server.http_base}/v1/nope")[0] == 404
 
 
-def test_a_client_that_leaves_frees_its_request(server: Server) -> None:
-    resp = _stream(f"{server.base}/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4000,
+def test_a_client_that_leaves_frees_its_request(server: Served) -> None:
+    resp = _stream(f"{server.http_base}/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4000,
                                                      "ignore_eos": True, "temperature": 0})
     assert resp.readline().startswith(b"data: {")
     resp.close()  # the server notices at its next write, aborts, and the router's slot comes back
     deadline = time.monotonic() + 5  # 4000 tokens take three times that here: only an abort ends it so soon
-    while (health := _request(f"{server.base}/health")[1])["running"] and time.monotonic() < deadline:
+    while (health := _request(f"{server.http_base}/health")[1])["running"] and time.monotonic() < deadline:
         time.sleep(0.2)
     assert health["running"] == 0, health
 
 
-def test_no_listening_socket_binds_a_wildcard_address(server: Server) -> None:
+def test_no_listening_socket_binds_a_wildcard_address(server: Served) -> None:
     """The serve process and all its descendants: Ray's GCS, raylet and agents, the actors
     (their gRPC servers, gloo pair sockets, the KV rendezvous store) and redis-server."""
     listening, names = [], []
@@ -220,7 +187,7 @@ def test_no_listening_socket_binds_a_wildcard_address(server: Server) -> None:
     for needed in ("redis-server", "gcs_server", "raylet", "ray::RouterActor", "ray::PrefillActor",
                    "ray::DecodeActor"):
         assert any(needed in n for n in names), f"no {needed} among the server's processes"
-    assert any(addr.port == int(server.base.rsplit(":", 1)[1]) for _, addr in listening)
+    assert any(addr.port == int(server.http_base.rsplit(":", 1)[1]) for _, addr in listening)
     wild = [(cmd, addr) for cmd, addr in listening if not _loopback(addr.ip)]
     assert not wild, wild
 
@@ -230,10 +197,10 @@ def _loopback(ip: str) -> bool:
     return addr.is_loopback or bool(getattr(addr, "ipv4_mapped", None) and addr.ipv4_mapped.is_loopback)
 
 
-def test_sigterm_drains_in_flight_requests_and_exits_0(server: Server) -> None:
+def test_sigterm_drains_in_flight_requests_and_exits_0(server: Served) -> None:
     procs = _tree(server.proc.pid)
     assert any("redis-server" in " ".join(p.cmdline()) for p in procs)
-    with _stream(f"{server.base}/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 1500,
+    with _stream(f"{server.http_base}/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 1500,
                                                    "ignore_eos": True, "temperature": 0}) as resp:
         assert resp.readline().startswith(b"data: {")
         server.proc.send_signal(signal.SIGTERM)
@@ -316,7 +283,7 @@ def test_bad_config_or_flag_is_one_error_line_and_exit_2(name: str, tmp_path: Pa
 
 
 def test_a_bad_flag_in_a_real_process_exits_2() -> None:
-    proc = subprocess.run([*SERVE, "--mode", "mixed"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+    proc = subprocess.run([*SERVE_CMD, "--mode", "mixed"], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**os.environ, **RAY_ENV})
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith("error: argument --mode") and proc.stderr.count("\n") == 1
@@ -332,7 +299,7 @@ def test_a_bad_model_fails_before_anything_starts(capsys) -> None:
 
 def test_an_impossible_placement_is_one_error_line_after_ray_starts() -> None:
     """Placements need Ray's view of the resources; the local Ray it started is stopped again."""
-    proc = subprocess.run([*SERVE, "--device", "cuda", "--prefill", "64", "--decode", "64"], cwd=ROOT,
+    proc = subprocess.run([*SERVE_CMD, "--device", "cuda", "--prefill", "64", "--decode", "64"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120, env={**os.environ, **RAY_ENV})
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.splitlines()[-1].startswith("error: 128 workers need 128 GPUs; the Ray cluster has")
