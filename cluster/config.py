@@ -13,6 +13,7 @@ from cluster.parallel_config import WorkerParallelism
 from engine import CacheConfig, EngineConfig, SchedulerConfig
 from engine.config import HiCacheConfig
 from kv_transfer import TransferConfig
+from kv_transfer.config import is_wildcard
 from router.config import FrontDoorConfig, IndexConfig, RouterConfig
 
 
@@ -85,7 +86,7 @@ class ClusterConfig(_Frozen):
             raise ValueError("disaggregated mode needs at least one prefill worker (--prefill >= 1)")
         if self.redis_password_env and self.redis_url is None:
             raise ValueError("redis_password_env needs redis_url (the embedded redis-server has no password)")
-        if self.host in ("0.0.0.0", "::", ""):
+        if is_wildcard(self.host):
             raise ValueError("host must be a specific address (e.g. 127.0.0.1 or the pod IP), not a wildcard")
         cache_role = "mixed" if self.mode == "colocated" else "prefill"  # the workers whose tiers would hold KV
         if self.engine.hicache.enabled and self.parallel.ranks(cache_role) > 1:

@@ -20,6 +20,7 @@ from router.config import IndexLink
 log = logging.getLogger(__name__)
 NAMESPACE = "brigade"
 OBJECT_STORE_BYTES = 256 << 20  # KV moves over torch.distributed, not the object store
+START_TIMEOUT_S = 600.0  # a worker's start: loading weights, a placement group, pairing with its peers
 
 
 def start_ray(cfg: ClusterConfig) -> None:
@@ -119,18 +120,31 @@ class Cluster:
 
         tp, ep = cfg.parallel.sizes(role)
         custom = cfg.placement.resources(role)  # e.g. only the pods of a KubeRay worker group have them
-        if max(tp, ep) > 1:
-            bundle = {"GPU": 1} if "num_gpus" in place.options else {"CPU": place.options["num_cpus"]}
-            # The group's rendezvous is on its own node when transfer.host is "node" (pods), else on --host.
-            rendezvous = NODE_HOST if cfg.transfer.host == NODE_HOST else cfg.host
-            group = start_group(worker_id, start, engine_cfg, tp, ep, {**bundle, **custom}, rendezvous,
-                                cfg.parallel.timeout_s, receive_kv=cfg.transfer if role == "decode" else None)
+        handle = group = None
+        try:
+            if max(tp, ep) > 1:
+                bundle = {"GPU": 1} if "num_gpus" in place.options else {"CPU": place.options["num_cpus"]}
+                # The group's rendezvous is on its own node when transfer.host is "node" (pods), else on --host.
+                rendezvous = NODE_HOST if cfg.transfer.host == NODE_HOST else cfg.host
+                group = start_group(worker_id, start, engine_cfg, tp, ep, {**bundle, **custom}, rendezvous,
+                                    cfg.parallel.timeout_s, receive_kv=cfg.transfer if role == "decode" else None)
+                handle = group.leader
+            else:
+                handle = start(engine_cfg, {**place.options, "resources": custom} if custom else place.options)
+            # Bounded: an actor left pending (no free GPU or placement resource) must not hang its caller.
+            ray.get(handle.health.remote(), timeout=START_TIMEOUT_S)  # surfaces a failed start (bad model path...)
+            ray.get(self.router.add_worker.remote(role, worker_id, handle), timeout=START_TIMEOUT_S)
+        except BaseException:
+            # Nothing half-started stays behind, and its name is never reused.
+            self.retired.append(worker_id)
+            ray.get(self.router.remove_worker.remote(worker_id))
+            if group is not None:
+                stop_group(group)
+            if handle is not None:
+                ray.kill(handle)
+            raise
+        if group is not None:
             self.groups[worker_id] = group
-            handle = group.leader
-        else:
-            handle = start(engine_cfg, {**place.options, "resources": custom} if custom else place.options)
-        ray.get(handle.health.remote())  # surfaces a failed start (bad model path, ...) here
-        ray.get(self.router.add_worker.remote(role, worker_id, handle))
         self.workers[worker_id] = handle
         return worker_id
 
@@ -146,7 +160,7 @@ class Cluster:
         group = self.groups.pop(worker_id, None)
         if group is not None:
             stop_group(group)
-        return self.add_worker(role)
+        return self.add_worker(role)  # if this fails, the supervisor starts one later (Supervisor.owed)
 
     def stats(self) -> dict:
         return ray.get(self.router.stats.remote())

@@ -23,6 +23,7 @@ class Supervisor:
     def __init__(self, cluster, cfg: SupervisorConfig):
         self.cluster, self.cfg = cluster, cfg
         self.replaced: list[tuple[str, str]] = []  # (old id, new id), oldest first
+        self.owed: list[str] = []  # roles of workers torn down whose replacement failed to start: retried
         self._down_since: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="supervisor", daemon=True)
@@ -34,11 +35,15 @@ class Supervisor:
     def stop(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join()
+            self._thread.join(self.cfg.status_timeout_s)  # a start in progress is bounded by its own timeout
 
     def check_once(self, now: float | None = None) -> list[tuple[str, str]]:
         """Replace every worker unhealthy for at least grace_s; returns (old id, new id) pairs."""
         now = time.monotonic() if now is None else now
+        for role in list(self.owed):
+            new_id = self.cluster.add_worker(role)  # raises again if it still cannot start: next round
+            self.owed.remove(role)
+            log.warning("started %s in place of a worker whose replacement had failed", new_id)
         status = ray.get(self.cluster.router.status.remote(), timeout=self.cfg.status_timeout_s)
         done = []
         for worker_id, w in status["workers"].items():
@@ -48,8 +53,13 @@ class Supervisor:
             if now - self._down_since.setdefault(worker_id, now) < self.cfg.grace_s:
                 continue
             log.warning("worker %s unhealthy for %.0f s: replacing it", worker_id, now - self._down_since[worker_id])
-            new_id = self.cluster.replace_worker(worker_id)
             self._down_since.pop(worker_id, None)
+            try:
+                new_id = self.cluster.replace_worker(worker_id)
+            except Exception:
+                if worker_id not in self.cluster.workers:  # torn down, its successor failed: owed
+                    self.owed.append(worker_id.rsplit("-", 1)[0])
+                raise
             self.replaced.append((worker_id, new_id))
             done.append((worker_id, new_id))
             log.warning("worker %s replaced by %s", worker_id, new_id)

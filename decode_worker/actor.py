@@ -117,8 +117,9 @@ class DecodeActor:
         return await asyncio.to_thread(self.worker.stats)
 
     async def disconnect(self, prefill_id: str) -> None:
-        """Close the pair with a prefill worker that left the cluster."""
-        await asyncio.to_thread(self.worker.drop_channel, prefill_id)
+        """Close the pair with a prefill worker that left the cluster (on every rank of a TP worker)."""
+        await asyncio.gather(asyncio.to_thread(self.worker.drop_channel, prefill_id),
+                             *(r.disconnect.remote(prefill_id) for r in self.ranks))
 
     async def shutdown(self) -> None:
         await asyncio.to_thread(self.worker.close)

@@ -68,6 +68,12 @@ class RankActor:
         self.channels[channel.peer] = channel
         return channel.peer
 
+    def disconnect(self, peer: str) -> None:
+        """Close this rank's pair with a prefill worker that left the cluster."""
+        channel = self.channels.pop(peer, None)
+        if channel is not None:
+            channel.close()
+
     def _receive(self, request_id: str, num_tokens: int, peer: str):
         channel = self.channels.get(peer)
         if channel is None:

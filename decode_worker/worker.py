@@ -76,6 +76,7 @@ class DecodeWorker:
         return channel.peer
 
     def drop_channel(self, prefill_id: str) -> None:
+        self.buffers.pop(prefill_id, None)
         channel = self.channels.pop(prefill_id, None)
         if channel is not None:
             channel.close()

@@ -1,12 +1,23 @@
 """Transfer settings: the `transfer` sub-config of the root config."""
 from __future__ import annotations
 
+import ipaddress
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-_WILDCARDS = {"", "0.0.0.0", "::", "*", "[::]"}
 NODE_HOST = "node"
+
+
+def is_wildcard(host: str) -> bool:
+    """True for any spelling of "every interface" ("", "*", 0.0.0.0, "0", "::", "::0", "[::]", ...)."""
+    h = host.strip().strip("[]")
+    if h in ("", "*"):
+        return True
+    try:
+        return ipaddress.ip_address(h).is_unspecified
+    except ValueError:  # a name; socket.bind also reads "0" as 0.0.0.0
+        return h == "0"
 
 
 class TransferConfig(BaseModel):
@@ -40,7 +51,7 @@ class TransferConfig(BaseModel):
     @field_validator("host")
     @classmethod
     def _no_wildcard(cls, host: str) -> str:
-        if host.strip() in _WILDCARDS:
+        if is_wildcard(host):
             raise ValueError(f"host {host!r} would listen on every interface; name one address")
         return host
 

@@ -54,6 +54,8 @@ class Router:
         self._active: dict[str, tuple[WorkerRef | None, WorkerRef | None]] = {}
         self._aborted: set[str] = set()  # active requests abort() was called for
         self._health_task: asyncio.Task | None = None
+        self._repair: asyncio.Task | None = None  # _pair_missing, one at a time
+        self._pairing = asyncio.Lock()
 
     # -- membership ---------------------------------------------------------------
     async def add_worker(self, role: str, worker_id: str, handle) -> None:
@@ -66,8 +68,9 @@ class Router:
         if not self.colocated:
             other = "decode" if role == "prefill" else "prefill"
             # Healthy ones only: a dead counterpart would hold the pairing until its timeout.
-            for w in [w for w in self.workers.values() if w.role == other and w.healthy]:  # one accept at a time
-                await (self._pair(ref, w) if role == "prefill" else self._pair(w, ref))
+            async with self._pairing:  # one accept at a time per transfer server
+                for w in [w for w in self.workers.values() if w.role == other and w.healthy]:
+                    await (self._pair(ref, w) if role == "prefill" else self._pair(w, ref))
         self.workers[worker_id] = ref
         if self.index is not None:
             await self.index.refresh()  # its lease, so the first request already sees its cache
@@ -99,20 +102,26 @@ class Router:
     def live(self, role: str) -> list[WorkerRef]:
         return [w for w in self.workers.values() if w.role == role and w.healthy]
 
-    def _pool(self, role: str, exclude: set[str] = frozenset(), peer_of: WorkerRef | None = None) -> list[WorkerRef]:
+    def _pool(self, role: str, exclude: set[str] = frozenset(), peer_of: WorkerRef | None = None,
+              needs_peer: bool = False) -> list[WorkerRef]:
+        """Live workers of `role`; with `peer_of`, only its counterparts; with `needs_peer`, only
+        prefill workers paired with a live decode worker (else their prefill leads nowhere)."""
+        decoders = {w.worker_id for w in self.live("decode")} if needs_peer else set()
         pool = [w for w in self.live(role) if w.worker_id not in exclude
-                and (peer_of is None or w.worker_id in peer_of.peers)]
+                and (peer_of is None or w.worker_id in peer_of.peers)
+                and (not needs_peer or bool(w.peers & decoders))]
         if not pool:
             raise NoWorker(f"no live {role} worker can take the request; retry shortly")
         return pool
 
     async def _pick_prefill(self, role: str, req: GenerateRequest) -> tuple[WorkerRef, int]:
         """The worker that computes the prompt, and the uncached tokens it is charged with."""
-        pool, n = self._pool(role), len(req.prompt_token_ids)
+        needs_peer = role == "prefill" and req.params.max_tokens > 1
+        pool, n = self._pool(role, needs_peer=needs_peer), len(req.prompt_token_ids)
         answer = None
         if self.cfg.policy == "kv_aware" and self.index is not None:
             answer = await self.index.hits(req.prompt_token_ids, req.cache_salt, [w.worker_id for w in pool])
-            pool = self._pool(role)  # health may have changed while we asked
+            pool = self._pool(role, needs_peer=needs_peer)  # health may have changed while we asked
         if answer is not None:
             hashes, hits = answer
             w = policy.pick_kv_aware(pool, hits, n, self.index.block_size, self.cfg)
@@ -249,6 +258,8 @@ class Router:
                     return decode
             except asyncio.CancelledError:
                 decode.inflight -= 1
+                # The reservation may have been made after all: free it now rather than at hold_timeout_s.
+                decode.handle.abort.remote(req.request_id)
                 raise
             except Exception as exc:  # died since the last health check: stop routing there, try another
                 log.warning("decode worker %s failed to reserve (%s); marking it unhealthy", decode.worker_id, exc)
@@ -272,6 +283,22 @@ class Router:
             await asyncio.sleep(self.cfg.health_interval_s)
             checks = [self._check(w) for w in list(self.workers.values())]
             await asyncio.gather(*checks, *([self.index.refresh()] if self.index is not None else []))
+            if not self.colocated and (self._repair is None or self._repair.done()):
+                self._repair = asyncio.get_running_loop().create_task(self._pair_missing())
+
+    async def _pair_missing(self) -> None:
+        """Pair healthy prefill and decode workers that are not paired yet: a worker that was
+        unhealthy when a counterpart joined (or replaced one) would otherwise never be paired."""
+        for decode in self.live("decode"):
+            for prefill in [p for p in self.live("prefill") if decode.worker_id not in p.peers]:
+                if prefill.worker_id not in self.workers or decode.worker_id not in self.workers:
+                    continue  # removed meanwhile
+                try:
+                    async with self._pairing:
+                        await self._pair(prefill, decode)
+                    log.info("paired %s with %s", prefill.worker_id, decode.worker_id)
+                except Exception as exc:  # tried again at the next health check
+                    log.warning("pairing %s with %s failed: %r", prefill.worker_id, decode.worker_id, exc)
 
     async def _check(self, worker: WorkerRef) -> None:
         try:

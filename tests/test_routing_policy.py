@@ -82,3 +82,26 @@ def test_a_short_shared_prefix_does_not_pull_new_conversations_onto_one_worker()
     assert pick_kv_aware(pool, system_prompt_only, 400, BS, CFG).worker_id == "b"  # the least routed idle worker
     follow_up = {"a": PrefixHit(10, 10, 0, 0)}  # 160 of 400: a real hit
     assert pick_kv_aware(pool, follow_up, 400, BS, CFG).worker_id == "a"
+
+
+def test_prefill_without_a_live_decode_partner_is_not_picked_for_decoding_requests():
+    import asyncio
+
+    from engine.sampling import SamplingParams
+    from router.router import Router, WorkerRef
+    from router.types import GenerateRequest
+
+    router = Router(RouterConfig(policy="least_loaded"), colocated=False)
+    lonely, paired, dead = WorkerRef("prefill-0", "prefill", None), WorkerRef("prefill-1", "prefill", None), \
+        WorkerRef("decode-0", "decode", None, healthy=False)
+    live = WorkerRef("decode-1", "decode", None, peers={"prefill-1"})
+    lonely.peers, paired.peers = {"decode-0"}, {"decode-1"}  # prefill-0's only partner is dead
+    paired.inflight = 5  # busier, yet the only one whose prefill can reach a decode worker
+    router.workers = {w.worker_id: w for w in (lonely, paired, dead, live)}
+
+    def pick(max_tokens: int) -> str:
+        req = GenerateRequest("r", [1, 2, 3], SamplingParams(max_tokens=max_tokens))
+        return asyncio.run(router._pick_prefill("prefill", req))[0].worker_id
+
+    assert pick(16) == "prefill-1"
+    assert pick(1) == "prefill-0"  # a one-token answer needs no decode worker: load alone decides

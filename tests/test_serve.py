@@ -261,6 +261,8 @@ BAD_SERVE = {
     "no decode": (["--decode", "0"], None, "--decode: Input should be greater than or equal to 1"),
     "no prefill": (["--prefill", "0"], None, "disaggregated mode needs at least one prefill worker"),
     "wildcard host": (["--host", "0.0.0.0"], None, "not a wildcard"),
+    "wildcard host 0": (["--host", "0"], None, "not a wildcard"),
+    "wildcard host ::0": (["--host", "::0"], None, "not a wildcard"),
     "grpc port": (["--grpc-port", "70000"], None, "--grpc-port: Input should be less than or equal to 65535"),
     "not a number": (["--prefill", "two"], None, "argument --prefill: invalid int value"),
     "policy": (["--policy", "fastest"], None, "argument --policy: invalid choice"),
