@@ -46,7 +46,7 @@ if [ "$QUICK" = 1 ]; then
   NAME=serving_bench.quick MODEL=tiny RATES=8,inf SLO=ttft=5s,tpot=1s NUM_GROUPS=2 PER_GROUP=3
   SYSTEM_LEN=64 QUESTION_LEN=8 OUTPUT_LEN=8 NUM_BLOCKS=256
 fi
-OUT="$ROOT/benchmarks/results/$NAME$([ "$QUICK" = 1 ] && echo .d)"
+OUT="$ROOT/benchmarks/results/$NAME$(if [ "$QUICK" = 1 ]; then echo .d; fi)"
 mkdir -p "$OUT"
 
 SERVER_PID=""

@@ -1,7 +1,8 @@
 """The front doors' backend for the cluster: checks requests in the driver, streams them
 through the RouterActor. The HTTP server's handler threads use the blocking generate() and
-health(); the gRPC server's event loop uses agenerate() and ahealth(), which await Ray's
-ObjectRefs on that loop instead of blocking it.
+health(); the gRPC server's event loop uses agenerate() (one thread per stream reads it with
+blocking gets and hands chunks to the loop: cheaper per chunk than iterating Ray's stream
+asynchronously) and ahealth(), neither of which blocks the loop.
 
 Tokenizing and validating need only the checkpoint's tokenizer.json and config.json (no
 weights, no engine), so a bad request is refused here with the engine's own message

@@ -6,8 +6,8 @@ health NOT_SERVING until attach() hands it a backend, and drains on request: hea
 NOT_SERVING and new requests UNAVAILABLE at once, streams in flight finish (up to the drain
 window), then the listener closes. Besides brigade.v1.Brigade it serves grpc.health.v1
 (kept up to date from the backend's health: NOT_SERVING with no live worker of a needed role)
-and server reflection. Generation runs on this loop end to end (Ray ObjectRefs are awaited
-here), so no chunk hops threads between the router and the socket.
+and server reflection. Handlers run on this loop; each stream's chunks are read from the
+router by a thread of their own (ClusterBackend.agenerate) and handed to the loop.
 """
 from __future__ import annotations
 
