@@ -13,6 +13,8 @@ class _Frozen(BaseModel):
 class RouterConfig(_Frozen):
     max_running: int = Field(256, ge=1)  # requests dispatched to workers at once
     max_waiting: int = Field(1024, ge=0)  # beyond this many waiting, new requests are refused at once
+    # The same bound in prompt tokens, so a burst of long prompts cannot queue unbounded memory.
+    max_waiting_tokens: int = Field(1_000_000, ge=0)
     health_interval_s: float = Field(1.0, gt=0)
     health_timeout_s: float = Field(5.0, gt=0)
     # kv_aware: lowest estimated TTFT from the prefix index (docs/ARCHITECTURE.md, "Routing");

@@ -49,6 +49,7 @@ class Router:
         self.kv_picks = {"by_index": 0, "load_over_hit": 0}
         self.workers: dict[str, WorkerRef] = {}
         self.waiting = 0
+        self.waiting_tokens = 0  # prompt tokens of the waiting requests
         self.running = 0
         self._slots = asyncio.Semaphore(cfg.max_running)
         self._active: dict[str, tuple[WorkerRef | None, WorkerRef | None]] = {}
@@ -150,14 +151,19 @@ class Router:
 
     # -- requests -----------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
-        if self.waiting >= self.cfg.max_waiting and self._slots.locked():
-            raise Overloaded(f"overloaded: {self.waiting} requests waiting; retry later")
+        n = len(req.prompt_token_ids)
+        if self._slots.locked() and (self.waiting >= self.cfg.max_waiting
+                                     or self.waiting_tokens + n > self.cfg.max_waiting_tokens):
+            raise Overloaded(f"overloaded: {self.waiting} requests ({self.waiting_tokens} prompt tokens) waiting; "
+                             "retry later")
         arrived = time.monotonic()
         self.waiting += 1
+        self.waiting_tokens += n
         try:
             await self._slots.acquire()
         finally:
             self.waiting -= 1
+            self.waiting_tokens -= n
         self.running += 1
         timing = Timing(queue_s=time.monotonic() - arrived)
         try:
@@ -318,6 +324,7 @@ class Router:
 
     def status(self) -> dict:
         return {"waiting": self.waiting, "running": self.running, "colocated": self.colocated,
+                "waiting_tokens": self.waiting_tokens,
                 "policy": self.cfg.policy, "kv_picks": dict(self.kv_picks),
                 "index": self.index.status() if self.index is not None else {"available": False, "error": "no Redis"},
                 "workers": {w.worker_id: {"role": w.role, "healthy": w.healthy, "inflight": w.inflight,
