@@ -9,6 +9,7 @@ and the recompute fallback when a transfer fails).
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -31,11 +32,14 @@ from kv_transfer import (
     TransferServer,
     payload_view,
 )
+from kv_transfer.leases import LeaseSweeper
 from kv_transfer.reshard import shard_of
 from prefill_worker.worker import worker_health
 from router.config import IndexLink
 from router.index_publisher import with_events, worker_publisher
 from router.types import GenerateRequest
+
+log = logging.getLogger(__name__)
 
 
 class DecodeWorker:
@@ -60,6 +64,8 @@ class DecodeWorker:
         self.reserved_at: dict[str, float] = {}
         self.pulling: set[str] = set()  # requests whose KV is being written into their blocks
         self.pull_done = threading.Condition()
+        self.sweeper = LeaseSweeper(self.free_stale_reservations,
+                                    LeaseSweeper.interval_for(transfer_cfg.hold_timeout_s), f"{worker_id}-leases")
 
     @property
     def address(self) -> tuple[str, int]:
@@ -88,6 +94,7 @@ class DecodeWorker:
         stale = [rid for rid, t in list(self.reserved_at.items()) if t < deadline and rid not in self.pulling]
         for rid in stale:
             self.abort(rid)
+            log.warning("freed the blocks reserved for %s: its KV never arrived", rid)
         return stale
 
     def reserve(self, request_id: str, num_tokens: int) -> bool:
@@ -200,6 +207,7 @@ class DecodeWorker:
         return self.loop.call(lambda e: e.stats()).result() | {"channels": sorted(self.channels)}
 
     def close(self) -> None:
+        self.sweeper.stop()
         if self.publisher is not None:
             self.publisher.stop()
         for prefill_id in list(self.channels):

@@ -34,7 +34,8 @@ class TransferConfig(BaseModel):
     connect_timeout_s: the bound on joining a pair (rendezvous plus group setup).
     hold_timeout_s: how long KV may wait for its other side: a prefill worker drops an
       exported request nobody pulled, a decode worker frees blocks reserved for a payload
-      that never came (e.g. the router died between the two calls).
+      that never came (e.g. the router died between the two calls); swept on a timer
+      (kv_transfer/leases.py), not only by the next request.
     backend: gloo moves CPU tensors; nccl moves CUDA tensors (the header and ack still go
       over a gloo group); auto picks nccl when CUDA and NCCL are available, else gloo.
     """

@@ -13,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from engine import EngineConfig, KVExport, LLMEngine, RequestOutput, Role
 from engine.engine_loop import EngineLoop
 from kv_transfer import KVLayout, KVTransferError, SenderChannel, TransferConfig, connect
+from kv_transfer.leases import LeaseSweeper
 from kv_transfer.reshard import ShardedSender, connect_group
 from router.config import IndexLink
 from router.index_publisher import with_events, worker_publisher
@@ -41,6 +42,8 @@ class PrefillWorker:
         self.exported_at: dict[str, float] = {}
         # Prefills not yet answered: abort() must answer them, as the engine then reports nothing.
         self.pending: dict[str, Future[PrefillResult]] = {}
+        self.sweeper = LeaseSweeper(self.drop_stale_exports, LeaseSweeper.interval_for(transfer_cfg.hold_timeout_s),
+                                    f"{worker_id}-leases")
 
     def connect(self, decode_id: str, address: tuple[str, int] | list[tuple[str, int]]) -> None:
         """Join decode worker `decode_id`'s transfer server (blocks until it accepts). A list of
@@ -64,7 +67,7 @@ class PrefillWorker:
         """Forget exports no decode worker pulled within transfer.hold_timeout_s."""
         deadline = time.monotonic() - self.transfer_cfg.hold_timeout_s
         stale = [rid for rid, t in list(self.exported_at.items()) if t < deadline]
-        for rid in stale:
+        for rid in stale:  # pop, not del: push() on a sender thread may take it meanwhile
             self.exports.pop(rid, None)
             self.exported_at.pop(rid, None)
             log.warning("dropped the KV of %s: no decode worker pulled it", rid)
@@ -139,6 +142,7 @@ class PrefillWorker:
             "channels": sorted(self.channels), "pinned_exports": len(self.exports)}
 
     def close(self) -> None:
+        self.sweeper.stop()
         if self.publisher is not None:
             self.publisher.stop()  # ends the lease first: no new requests are routed here
         for decode_id in list(self.channels):
