@@ -2,14 +2,17 @@
 and one decode worker paired over gloo): afterwards every worker's pool is back exactly at its
 baseline and the router holds no request.
 
-A cancellation is RouterActor.abort (what the doors call when a client leaves) sent after a random
-number of tokens, 0 included: then it races the prefill, the reservation and the KV pull. Four
-requests run at once so aborts also land while others prefill or transfer.
+Half the cancellations call RouterActor.abort after a random number of tokens; the other half
+leave the way a client does at either door: the ClusterBackend stream is closed (or its task
+cancelled, for 0 tokens), which aborts the request. 0 tokens races the prefill, the reservation
+and the KV pull. Four requests run at once so cancellations also land while others prefill or
+transfer.
 CI runs 40; BRIGADE_CHAOS_FULL=1 runs 1,000.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import time
@@ -18,6 +21,7 @@ import pytest
 import ray
 from test_cluster import cluster_config, pool_whole, wait_for
 
+from cluster.backend import ClusterBackend
 from cluster.config import ClusterConfig
 from cluster.launch import launch, start_ray
 from engine import SamplingParams
@@ -67,6 +71,36 @@ async def _cancel_at(router, rid: str, prompt: list[int], at: int) -> tuple[int,
     return tokens, reason
 
 
+async def _leave_at(backend: ClusterBackend, rid: str, prompt: list[int], at: int) -> tuple[int, str | None]:
+    """Stream `rid` through the doors' backend and leave once `at` tokens arrived (at 0: cancel
+    the reading task right after submitting). (tokens received, "abort" when it left early)"""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    tokens, reason = 0, None
+
+    async def read() -> None:
+        nonlocal tokens, reason
+        stream = backend.agenerate(GenerateRequest(rid, prompt, params))
+        try:
+            async for chunk in stream:
+                tokens += len(chunk.token_ids)
+                if chunk.finished:
+                    reason = chunk.finish_reason
+                elif at and tokens >= at:
+                    reason = "abort"
+                    return
+        finally:
+            await stream.aclose()  # what the HTTP door does when its client hangs up
+
+    task = asyncio.create_task(read())
+    if at == 0:
+        await asyncio.sleep(0.01)
+        task.cancel()
+        reason = reason or "abort"
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return tokens, reason
+
+
 def _prompt(rng: random.Random) -> list[int]:
     return [rng.randrange(3, 4096) for _ in range(rng.randrange(1, 120))]
 
@@ -76,11 +110,14 @@ def test_cancel_at_a_random_token_leaks_nothing(cluster) -> None:
     rng = random.Random(10)
     baseline = cluster.stats()
     assert all(pool_whole(s) for s in baseline.values()), baseline
+    backend = ClusterBackend(cluster.cfg)
+    backend.attach(cluster)
 
     async def main() -> list[tuple[int, str | None]]:
         out = []
         for start in range(0, RUNS, AT_ONCE):
-            jobs = [_cancel_at(cluster.router, f"cancel-{i}", _prompt(rng), rng.randrange(0, MAX_TOKENS))
+            jobs = [(_cancel_at(cluster.router, f"cancel-{i}", _prompt(rng), rng.randrange(0, MAX_TOKENS)) if i % 2
+                     else _leave_at(backend, f"leave-{i}", _prompt(rng), rng.randrange(0, MAX_TOKENS)))
                     for i in range(start, min(RUNS, start + AT_ONCE))]
             out += await asyncio.gather(*jobs)
         return out
