@@ -82,7 +82,12 @@ class PrefillWorker:
 
         def sink(out: RequestOutput | BaseException) -> None:  # on the engine's loop thread
             if isinstance(out, BaseException):
-                result.set_exception(out)
+                if not result.done():
+                    result.set_exception(out)
+                return
+            if result.done():  # aborted before the engine had it (abort raced add_request): answered already
+                if out.kv_ready:
+                    self.engine.export_kv(req.request_id)  # hands its blocks back; nobody will pull it
                 return
             if out.kv_ready:
                 # Copy the KV out now, in the same loop turn: a later pull then waits for no
