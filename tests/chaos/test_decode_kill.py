@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import time
 
 import pytest
 import ray
@@ -51,6 +52,20 @@ def cluster():
 @pytest.fixture(scope="module")
 def engine():
     return LLMEngine(EngineConfig(model="tiny", num_threads=1, cache=CacheConfig(num_blocks=512)))
+
+
+def wait_pools_whole(cluster, timeout_s: float = 15.0) -> None:
+    """Every live worker's KV pool back to whole: the dead worker's requests leaked nothing elsewhere."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = {k: s for k, s in cluster.stats().items() if "error" not in s}
+        busy = {k: s for k, s in stats.items()
+                if s["free_blocks"] != s["num_blocks"] or s["running"] or s["waiting"] or s.get("reserved")
+                or s.get("pinned_exports")}
+        if not busy:
+            return
+        assert time.monotonic() < deadline, f"pools not whole: {busy}"
+        time.sleep(0.1)
 
 
 async def stream(router, rid: str, prompt: list[int], ready: asyncio.Event) -> tuple[list[int], object]:
@@ -108,6 +123,47 @@ def test_killing_the_decode_worker_mid_stream_loses_no_token(cluster, engine):
               f"{identical} identical, {retriable} failed retriable")
         for key, value in zip(totals, (len(batch), migrated, identical, retriable)):
             totals[key] += value
+        wait_pools_whole(cluster)
         cluster.replace_worker(killed)  # back to two decode workers for the next run
     print(f"decode kill, {RUNS} runs: {totals}")
     assert totals["identical"] + totals["retriable"] == totals["streams"]
+
+
+async def kill_while_prefilling(cluster, batch: list[list[int]]) -> tuple[str, list]:
+    """Start `batch`, SIGKILL the first prefill worker seen with a request in flight."""
+    never = asyncio.Event()
+    tasks = [asyncio.create_task(stream(cluster.router, f"pkill-{i}", p, never)) for i, p in enumerate(batch)]
+    while True:
+        workers = (await cluster.router.status.remote())["workers"]
+        busy = [w for w in workers if w.startswith("prefill-") and workers[w]["inflight"] > 0]
+        if busy:
+            break
+        await asyncio.sleep(0.01)
+    ray.kill(cluster.workers[busy[0]], no_restart=True)
+    return busy[0], await asyncio.gather(*tasks)
+
+
+@pytest.mark.timeout(120)
+def test_killing_a_prefill_worker_before_its_kv_arrives_loses_no_request(cluster, engine):
+    """Long prompts keep the prefill busy; wherever the kill lands (prefilling: the router
+    retries the prefill on the other worker; pulling: the decode worker recomputes, or the
+    router migrates), every stream ends with the fault-free tokens."""
+    while sum(w.startswith("prefill-") for w in cluster.workers) < 2:
+        cluster.add_worker("prefill")
+    rng = random.Random(99)
+    batch = [[rng.randrange(3, VOCAB) for _ in range(1500)] for _ in range(2)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    reference = [o.token_ids for o in engine.generate(batch, [params] * len(batch))]
+    killed, results = asyncio.run(asyncio.wait_for(kill_while_prefilling(cluster, batch), 90))
+    migrated = recomputed = 0
+    for i, (tokens, last) in enumerate(results):
+        assert not isinstance(last, StreamBroken), last  # one prefill worker is left: no reason to give up
+        assert tokens == reference[i], f"stream {i}: tokens differ from the fault-free run"
+        assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(batch[i]), MAX_TOKENS)
+        assert last.prefill_worker != killed
+        migrated += last.timing.migrations > 0
+        recomputed += last.timing.recomputed
+    print(f"\nprefill kill: killed {killed}; {len(batch)} streams: {migrated} migrated, {recomputed} recomputed, "
+          f"{len(batch)} identical, 0 failed")
+    wait_pools_whole(cluster)
+    cluster.replace_worker(killed)
