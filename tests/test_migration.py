@@ -4,13 +4,18 @@ to RouterConfig.max_migrations times; beyond, the client gets StreamBroken with 
 from __future__ import annotations
 
 import asyncio
+import copy
 
+import grpc
 import pytest
+from brigade_client.errors import TOKENS_SENT_KEY, Unavailable, from_rpc_error
 
 from engine.outputs import Usage
 from engine.sampler import _mix
 from engine.sampling import SamplingParams
 from router.config import RouterConfig
+from router.grpc_service import refusal
+from router.http_api import api_error
 from router.migration import continuation, shifted_seed
 from router.router import Router, WorkerRef
 from router.types import Chunk, GenerateRequest, NoWorker, StreamBroken
@@ -142,3 +147,22 @@ def test_continuation_extends_the_prompt_and_shortens_max_tokens():
     assert cont.prompt_token_ids == [1, 2, 3, 4, 5] and cont.params.max_tokens == 6
     assert cont.params.temperature == 0.7 and cont.params.seed == shifted_seed(5, 3)
     assert req.prompt_token_ids == [1, 2] and req.params.max_tokens == 9  # the original is untouched
+
+
+def test_both_doors_answer_stream_broken_as_retriable_with_the_count():
+    # deepcopy goes through __reduce__, as Ray does when the error crosses from the router actor
+    exc = copy.deepcopy(StreamBroken(7, "worker decode-0 died after 7 tokens were sent; retry"))
+    assert exc.tokens_sent == 7 and "7 tokens" in str(exc)
+    refused = refusal(exc)
+    assert refused.code == grpc.StatusCode.UNAVAILABLE and (TOKENS_SENT_KEY, "7") in refused.trailers()
+    assert api_error(exc).status == 503 and "7 tokens" in str(api_error(exc))
+
+    class RpcError(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self):
+            return str(exc)
+
+    err = from_rpc_error(RpcError(), refused.trailers())
+    assert isinstance(err, Unavailable) and err.tokens_sent == 7
