@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import ray
+from ray.exceptions import ObjectLostError, RayActorError
 
 from router.config import IndexLink, RouterConfig
 from router.index_view import IndexView
@@ -16,7 +17,7 @@ class RouterActor:
     def __init__(self, cfg: RouterConfig, colocated: bool, index: IndexLink | None = None):
         view = (IndexView(index.redis_url, index.index, cfg.index_timeout_s, cfg.recent_route_ttl_s)
                 if index is not None else None)
-        self.router = Router(cfg, colocated, view)
+        self.router = Router(cfg, colocated, view, worker_died=_worker_died)
 
     async def add_worker(self, role: str, worker_id: str, handle) -> None:
         await self.router.add_worker(role, worker_id, handle)
@@ -47,3 +48,9 @@ class RouterActor:
             except Exception as exc:
                 out[w.worker_id] = {"error": repr(exc)}
         return out
+
+
+def _worker_died(exc: BaseException) -> bool:
+    """A worker call failed because the worker is gone (killed, crashed, its node lost), not
+    because of the request: the router migrates the request to another worker."""
+    return isinstance(exc, (RayActorError, ObjectLostError))

@@ -31,6 +31,9 @@ class RouterConfig(_Frozen):
     index_timeout_s: float = Field(0.5, gt=0)  # a prefix query slower than this counts as Redis down
     # A prompt routed to a worker counts as cached there for this long, before its events arrive.
     recent_route_ttl_s: float = Field(5.0, ge=0)
+    # A request whose worker dies continues elsewhere from the tokens already sent, at most this
+    # many times; then the client gets UNAVAILABLE with the count of tokens it already has.
+    max_migrations: int = Field(2, ge=0)
 
 
 class IndexConfig(_Frozen):

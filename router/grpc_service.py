@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 import grpc
-from brigade_client.errors import FIELD_KEY, RETRY_AFTER_KEY, STARTED_KEY
+from brigade_client.errors import FIELD_KEY, RETRY_AFTER_KEY, STARTED_KEY, TOKENS_SENT_KEY
 from brigade_client.v1 import brigade_pb2 as pb
 from google.protobuf.message import DecodeError
 
@@ -31,7 +31,7 @@ from engine.sampling import InvalidRequest, SamplingParams
 from router import grpc_messages as msgs
 from router.auth import Authenticator, cache_salt
 from router.metrics import FrontDoorMetrics
-from router.types import Aborted, Chunk, GenerateRequest, NoWorker, Overloaded
+from router.types import Aborted, Chunk, GenerateRequest, NoWorker, Overloaded, StreamBroken
 
 log = logging.getLogger(__name__)
 SERVICE = "brigade.v1.Brigade"
@@ -58,13 +58,16 @@ class Refused(Exception):
     """A request answered with a status code rather than a result."""
 
     def __init__(self, code: grpc.StatusCode, message: str, outcome: str, field: str | None = None,
-                 retry: bool = False):
+                 retry: bool = False, tokens_sent: int | None = None):
         super().__init__(message)
         self.code, self.outcome, self.field, self.retry = code, outcome, field, retry
+        self.tokens_sent = tokens_sent
         self.started = False
 
     def trailers(self) -> tuple[tuple[str, str], ...]:
         out = ((FIELD_KEY, self.field),) if self.field else ()
+        if self.tokens_sent is not None:
+            out += ((TOKENS_SENT_KEY, str(self.tokens_sent)),)
         if self.started:  # tokens existed: a retry would run the request again, so no hint either
             return out + ((STARTED_KEY, "1"),)
         return out + (((RETRY_AFTER_KEY, str(RETRY_AFTER_MS)),) if self.retry else ())
@@ -77,6 +80,8 @@ def refusal(exc: Exception) -> Refused:
         return Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid", exc.field)
     if isinstance(exc, Overloaded):
         return Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), "overloaded", retry=True)
+    if isinstance(exc, StreamBroken):  # the client knows how many tokens it already has
+        return Refused(grpc.StatusCode.UNAVAILABLE, str(exc), "unavailable", retry=True, tokens_sent=exc.tokens_sent)
     if isinstance(exc, NoWorker):
         return Refused(grpc.StatusCode.UNAVAILABLE, str(exc), "unavailable", retry=True)
     if isinstance(exc, Aborted):

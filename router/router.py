@@ -4,22 +4,27 @@ Disaggregated: reserve KV blocks on a decode worker, prefill on a prefill worker
 token), then the decode worker pulls the KV and streams from the first token on.
 Colocated: one mixed worker runs the whole request. Workers are Ray actor handles. The
 policy (router/policy.py) asks the prefix index (router/index_view.py) where the prompt's
-prefix is cached; without Redis it routes by load alone.
+prefix is cached; without Redis it routes by load alone. A request whose worker dies
+continues on another from the tokens already sent (router/migration.py), at most
+RouterConfig.max_migrations times.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from engine.outputs import Usage
 from router import policy
 from router.config import RouterConfig
 from router.index_view import IndexView
+from router.migration import continuation
 from router.policy import RoundRobin
-from router.types import Chunk, GenerateRequest, NoWorker, Overloaded, Timing
+from router.types import Chunk, GenerateRequest, NoWorker, Overloaded, StreamBroken, Timing
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +43,25 @@ class WorkerRef:
     peers: set[str] = field(default_factory=set)  # connected counterpart ids
 
 
+class _WorkerLost(Exception):
+    """A worker died under a request (or its stream ended without a last chunk): migrate it."""
+
+    def __init__(self, worker_id: str):
+        super().__init__(worker_id)
+        self.worker_id = worker_id
+
+
+def _never(exc: BaseException) -> bool:
+    return False
+
+
 class Router:
-    def __init__(self, cfg: RouterConfig, colocated: bool, index: IndexView | None = None):
+    def __init__(self, cfg: RouterConfig, colocated: bool, index: IndexView | None = None,
+                 worker_died: Callable[[BaseException], bool] = _never):
+        """`worker_died`: whether an exception from a worker call means the worker is gone (the
+        Ray actor shim passes Ray's actor-death errors; the router itself knows no Ray)."""
         self.cfg = cfg
+        self.worker_died = worker_died
         self.colocated = colocated
         self.index = index
         self._round_robin = RoundRobin()
@@ -52,7 +73,8 @@ class Router:
         self.waiting_tokens = 0  # prompt tokens of the waiting requests
         self.running = 0
         self._slots = asyncio.Semaphore(cfg.max_running)
-        self._active: dict[str, tuple[WorkerRef | None, WorkerRef | None]] = {}
+        # request id -> (prefill, decode, the id the workers know it by: a migrated request's differs)
+        self._active: dict[str, tuple[WorkerRef | None, WorkerRef | None, str]] = {}
         self._aborted: set[str] = set()  # active requests abort() was called for
         self._health_task: asyncio.Task | None = None
         self._repair: asyncio.Task | None = None  # _pair_missing, one at a time
@@ -115,14 +137,15 @@ class Router:
             raise NoWorker(f"no live {role} worker can take the request; retry shortly")
         return pool
 
-    async def _pick_prefill(self, role: str, req: GenerateRequest) -> tuple[WorkerRef, int]:
+    async def _pick_prefill(self, role: str, req: GenerateRequest,
+                            exclude: set[str] = frozenset()) -> tuple[WorkerRef, int]:
         """The worker that computes the prompt, and the uncached tokens it is charged with."""
         needs_peer = role == "prefill" and req.params.max_tokens > 1
-        pool, n = self._pool(role, needs_peer=needs_peer), len(req.prompt_token_ids)
+        pool, n = self._pool(role, exclude, needs_peer=needs_peer), len(req.prompt_token_ids)
         answer = None
         if self.cfg.policy == "kv_aware" and self.index is not None:
             answer = await self.index.hits(req.prompt_token_ids, req.cache_salt, [w.worker_id for w in pool])
-            pool = self._pool(role, needs_peer=needs_peer)  # health may have changed while we asked
+            pool = self._pool(role, exclude, needs_peer=needs_peer)  # health may have changed while we asked
         if answer is not None:
             hashes, hits = answer
             w = policy.pick_kv_aware(pool, hits, n, self.index.block_size, self.cfg)
@@ -167,7 +190,7 @@ class Router:
         self.running += 1
         timing = Timing(queue_s=time.monotonic() - arrived)
         try:
-            source = self._colocated(req) if self.colocated else self._disaggregated(req, timing)
+            source = self._migrating(req, timing)
             first = True
             async for chunk, prefill, decode in source:
                 if first and chunk.token_ids:
@@ -186,47 +209,102 @@ class Router:
             self._active.pop(req.request_id, None)
             self._aborted.discard(req.request_id)
 
-    async def _colocated(self, req: GenerateRequest):
-        worker, queued = await self._pick_prefill("mixed", req)
-        self._active[req.request_id] = (None, worker)
+    async def _migrating(self, req: GenerateRequest, timing: Timing):
+        """The request's chunks; when a worker dies under it, the rest comes from a continuation
+        (prompt + the tokens sent) on other workers, so the client sees every token once."""
+        sent: list[int] = []
+        avoid: set[str] = set()  # workers that failed this request
+        attempt = req
+        while True:
+            run = (self._colocated(attempt, req.request_id, avoid) if self.colocated
+                   else self._disaggregated(attempt, req.request_id, timing, avoid))
+            try:
+                async for chunk, prefill, decode in run:
+                    chunk.request_id = req.request_id
+                    sent += chunk.token_ids
+                    if chunk.finished and chunk.usage is not None and attempt is not req:
+                        chunk.usage = dataclasses.replace(
+                            chunk.usage, prompt_tokens=len(req.prompt_token_ids), completion_tokens=len(sent),
+                            cached_tokens=min(chunk.usage.cached_tokens, len(req.prompt_token_ids)))
+                    yield chunk, prefill, decode
+                return
+            except _WorkerLost as lost:
+                avoid.add(lost.worker_id)
+                if timing.migrations >= self.cfg.max_migrations:
+                    raise StreamBroken(len(sent), f"worker {lost.worker_id} died after {len(sent)} tokens were "
+                                                  f"sent and the request already moved {timing.migrations} times "
+                                                  f"(max_migrations); retry") from None
+                timing.migrations += 1
+                log.warning("worker %s died under %s after %d tokens; migrating (%d of at most %d)",
+                            lost.worker_id, req.request_id, len(sent), timing.migrations, self.cfg.max_migrations)
+            except NoWorker as exc:
+                if attempt is req or isinstance(exc, StreamBroken):
+                    raise
+                raise StreamBroken(len(sent), f"{exc} ({len(sent)} tokens were sent)") from None
+            if len(sent) >= req.params.max_tokens:  # everything was sent but the last chunk
+                usage = Usage(len(req.prompt_token_ids), len(sent), 0)
+                yield Chunk(req.request_id, [], "", True, "length", usage), None, None
+                return
+            if req.request_id in self._aborted:
+                yield _abort_chunk(req.request_id), None, None
+                return
+            attempt = continuation(req, sent, timing.migrations) if sent else dataclasses.replace(
+                req, request_id=f"{req.request_id}#m{timing.migrations}")
+
+    async def _colocated(self, req: GenerateRequest, key: str, avoid: set[str]):
+        worker, queued = await self._pick_prefill("mixed", req, avoid)
+        self._active[key] = (None, worker, req.request_id)
         worker.inflight += 1
         worker.queued_tokens += queued
+        finished = False
         try:
-            async for ref in worker.handle.generate_local.remote(req):
-                chunk = await ref
-                if queued and (chunk.token_ids or chunk.finished):  # the prompt is computed
-                    worker.queued_tokens -= queued
-                    queued = 0
-                yield chunk, None, worker
+            try:
+                async for ref in worker.handle.generate_local.remote(req):
+                    chunk = await ref
+                    if queued and (chunk.token_ids or chunk.finished):  # the prompt is computed
+                        worker.queued_tokens -= queued
+                        queued = 0
+                    finished = chunk.finished
+                    yield chunk, None, worker
+            except Exception as exc:
+                if key in self._aborted or not self.worker_died(exc):
+                    raise
+                raise _WorkerLost(worker.worker_id) from exc
+            if not finished:
+                raise _WorkerLost(worker.worker_id)
         finally:
             worker.inflight -= 1
             worker.queued_tokens -= queued
 
-    async def _disaggregated(self, req: GenerateRequest, timing: Timing):
+    async def _disaggregated(self, req: GenerateRequest, key: str, timing: Timing, avoid: set[str]):
+        """One attempt at `req`, known to abort() as `key` (a migrated request's continuation
+        has its own id at the workers)."""
         rid = req.request_id
-        prefill, queued = await self._pick_prefill("prefill", req)
+        prefill, queued = await self._pick_prefill("prefill", req, avoid)
         prefill.inflight += 1  # counted from the pick on, so concurrent requests spread out
         prefill.queued_tokens += queued
-        self._active[rid] = (prefill, None)
-        prefilling, decode = True, None
+        self._active[key] = (prefill, None, rid)
+        prefilling, decode, finished = True, None, False
         try:
             # max_tokens 1: the prefill worker's first token is the whole answer, so no decode
             # worker is needed (nor a reservation that would hold its blocks through the prefill).
             if req.params.max_tokens > 1:
-                decode = await self._reserve(req, prefill)
-            self._active[rid] = (prefill, decode)
+                decode = await self._reserve(req, prefill, avoid)
+            self._active[key] = (prefill, decode, rid)
             start = time.monotonic()
             try:
                 first = await prefill.handle.prefill.remote(req)
             except BaseException as exc:
                 if decode is not None:
                     await decode.handle.abort.remote(rid)  # frees the reservation
-                if not (rid in self._aborted and isinstance(exc, Exception)):
+                if key not in self._aborted and isinstance(exc, Exception) and self.worker_died(exc):
+                    raise _WorkerLost(prefill.worker_id) from exc  # retried elsewhere
+                if not (key in self._aborted and isinstance(exc, Exception)):
                     raise
                 yield _abort_chunk(rid), prefill, decode  # abort() ended the prefill
                 return
             timing.prefill_s = time.monotonic() - start
-            if rid in self._aborted:  # while reserving, or before the prefill worker had the request
+            if key in self._aborted:  # while reserving, or before the prefill worker had the request
                 await asyncio.gather(*(w.handle.abort.remote(rid) for w in (prefill, decode) if w is not None))
                 yield _abort_chunk(rid), prefill, decode
                 return
@@ -239,12 +317,20 @@ class Router:
             prefill.inflight -= 1
             prefill.queued_tokens -= queued
             prefilling = False
-            async for ref in decode.handle.generate.remote(req, first, prefill.worker_id, prefill.handle):
-                chunk = await ref
-                if chunk.timing is not None:  # the decode worker's transfer report
-                    timing.transfer_s, timing.transfer_bytes = chunk.timing.transfer_s, chunk.timing.transfer_bytes
-                    timing.recomputed = chunk.timing.recomputed
-                yield chunk, prefill, decode
+            try:
+                async for ref in decode.handle.generate.remote(req, first, prefill.worker_id, prefill.handle):
+                    chunk = await ref
+                    if chunk.timing is not None:  # the decode worker's transfer report
+                        timing.transfer_s, timing.transfer_bytes = chunk.timing.transfer_s, chunk.timing.transfer_bytes
+                        timing.recomputed = chunk.timing.recomputed
+                    finished = chunk.finished
+                    yield chunk, prefill, decode
+            except Exception as exc:
+                if key in self._aborted or not self.worker_died(exc):
+                    raise
+                raise _WorkerLost(decode.worker_id) from exc
+            if not finished:
+                raise _WorkerLost(decode.worker_id)
         finally:
             if prefilling:
                 prefill.inflight -= 1
@@ -252,10 +338,10 @@ class Router:
             if decode is not None:
                 decode.inflight -= 1
 
-    async def _reserve(self, req: GenerateRequest, prefill: WorkerRef):
-        """A decode worker connected to `prefill` with blocks for the prompt's KV; its
-        inflight count already includes this request."""
-        tried: set[str] = set()
+    async def _reserve(self, req: GenerateRequest, prefill: WorkerRef, avoid: set[str] = frozenset()):
+        """A decode worker connected to `prefill` (and not in `avoid`) with blocks for the
+        prompt's KV; its inflight count already includes this request."""
+        tried: set[str] = set(avoid)
         while True:
             decode = self._pick_decode(tried, prefill)
             decode.inflight += 1  # before the await, as for the prefill pick
@@ -278,8 +364,8 @@ class Router:
         if request_id not in self._active:
             return False
         self._aborted.add(request_id)
-        prefill, decode = self._active[request_id]
-        calls = [w.handle.abort.remote(request_id) for w in (prefill, decode) if w is not None]
+        prefill, decode, worker_rid = self._active[request_id]
+        calls = [w.handle.abort.remote(worker_rid) for w in (prefill, decode) if w is not None]
         await asyncio.gather(*calls, return_exceptions=True)
         return bool(calls)
 

@@ -15,6 +15,18 @@ class NoWorker(RuntimeError):
     """No live worker of a needed role: retry later."""
 
 
+class StreamBroken(NoWorker):
+    """A request's workers died more often than RouterConfig.max_migrations allows, after
+    `tokens_sent` tokens reached the client: retriable, and the client knows how far it got."""
+
+    def __init__(self, tokens_sent: int, message: str):
+        super().__init__(message)
+        self.tokens_sent = tokens_sent
+
+    def __reduce__(self):  # crosses Ray from the router actor to the front doors
+        return type(self), (self.tokens_sent, str(self))
+
+
 class Aborted(RuntimeError):
     """The request was aborted before it produced a result."""
 
@@ -54,6 +66,7 @@ class Timing:
     ttft_s: float = 0.0
     total_s: float = 0.0
     recomputed: bool = False  # the transfer failed and the decode worker recomputed the prompt
+    migrations: int = 0  # times the request moved to other workers after one died (router/migration.py)
 
 
 @dataclass

@@ -6,16 +6,18 @@ import grpc
 RETRY_AFTER_KEY = "retry-after-ms"  # trailing metadata the server sets on UNAVAILABLE / RESOURCE_EXHAUSTED
 FIELD_KEY = "brigade-field"  # trailing metadata naming the invalid field on INVALID_ARGUMENT
 STARTED_KEY = "brigade-started"  # trailing metadata: the request had produced tokens when it failed
+TOKENS_SENT_KEY = "brigade-tokens-sent"  # trailing metadata: tokens streamed before the workers gave up
 
 
 class BrigadeError(Exception):
     """A failed call. `code` is the grpc.StatusCode, `message` the server's details."""
 
     def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None,
-                 field: str | None = None, started: bool = False):
+                 field: str | None = None, started: bool = False, tokens_sent: int | None = None):
         super().__init__(f"{code.name}: {message}")
         self.code, self.message, self.retry_after_s, self.field = code, message, retry_after_s, field
         self.started = started  # the server had produced tokens: retrying would run the request again
+        self.tokens_sent = tokens_sent  # how many the stream delivered, when its workers died beyond migration
 
 
 class InvalidArgument(BrigadeError):
@@ -66,5 +68,7 @@ def from_rpc_error(exc: grpc.RpcError, trailers=None) -> BrigadeError:
     meta = {k: v for k, v in (trailers or ())}
     retry = meta.get(RETRY_AFTER_KEY)
     retry_after_s = int(retry) / 1000 if isinstance(retry, str) and retry.isdigit() else None
+    sent = meta.get(TOKENS_SENT_KEY)
     return _BY_CODE.get(code, BrigadeError)(code, details, retry_after_s, meta.get(FIELD_KEY),
-                                            meta.get(STARTED_KEY) == "1")
+                                            meta.get(STARTED_KEY) == "1",
+                                            int(sent) if isinstance(sent, str) and sent.isdigit() else None)

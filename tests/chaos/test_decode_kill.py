@@ -1,0 +1,169 @@
+"""Chaos: SIGKILL the decode worker serving live greedy streams (real local Ray, `tiny` preset,
+1 prefill + 2 decode). Every stream must end token-identical to the single-process engine, or
+retriable (StreamBroken) with the count of tokens it got; none may hang; usage counts the
+original prompt and every completion token.
+
+CI runs one kill of 4 streams; BRIGADE_CHAOS_FULL=1 runs 50 kills of 8 streams (the killed
+worker is replaced between runs). Each run prints its figures.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+
+import pytest
+import ray
+
+from cluster.config import ClusterConfig
+from cluster.launch import launch, start_ray
+from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+from router.types import GenerateRequest, StreamBroken
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+FULL = os.environ.get("BRIGADE_CHAOS_FULL") == "1"
+RUNS, STREAMS = (50, 8) if FULL else (1, 4)
+VOCAB = 4096  # the tiny preset's
+MAX_TOKENS = 96
+KILL_AFTER_CHUNKS = 4  # every stream has this many before the kill
+PARAMS = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def prompts(run: int) -> list[list[int]]:
+    rng = random.Random(run)
+    return [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(8, 60))] for _ in range(STREAMS)]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    start_ray(ClusterConfig(num_cpus=4))
+    cl = launch(ClusterConfig(num_cpus=2, prefill=1, decode=2, engine={"num_blocks": 512}))
+    try:
+        yield cl
+    finally:
+        cl.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine(EngineConfig(model="tiny", num_threads=1, cache=CacheConfig(num_blocks=512)))
+
+
+def wait_pools_whole(cluster, timeout_s: float = 15.0) -> None:
+    """Every live worker's KV pool back to whole: the dead worker's requests leaked nothing elsewhere."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = {k: s for k, s in cluster.stats().items() if "error" not in s}
+        busy = {k: s for k, s in stats.items()
+                if s["free_blocks"] != s["num_blocks"] or s["running"] or s["waiting"] or s.get("reserved")
+                or s.get("pinned_exports")}
+        if not busy:
+            return
+        assert time.monotonic() < deadline, f"pools not whole: {busy}"
+        time.sleep(0.1)
+
+
+async def stream(router, rid: str, prompt: list[int], ready: asyncio.Event) -> tuple[list[int], object]:
+    """(tokens, the last chunk or the StreamBroken that ended the stream)."""
+    tokens, chunks = [], 0
+    try:
+        async for ref in router.generate.remote(GenerateRequest(rid, prompt, PARAMS)):
+            chunk = await ref
+            tokens += chunk.token_ids
+            chunks += 1
+            if chunks == KILL_AFTER_CHUNKS:
+                ready.set()
+            if chunk.finished:
+                return tokens, chunk
+    except StreamBroken as exc:  # Ray re-raises the router's exception as itself
+        ready.set()
+        return tokens, exc
+    raise AssertionError(f"{rid}: the stream ended without a last chunk")
+
+
+async def kill_mid_stream(cluster, run: int, batch: list[list[int]]) -> tuple[str, list]:
+    readies = [asyncio.Event() for _ in batch]
+    tasks = [asyncio.create_task(stream(cluster.router, f"kill{run}-{i}", p, r))
+             for i, (p, r) in enumerate(zip(batch, readies))]
+    await asyncio.gather(*(r.wait() for r in readies))
+    workers = (await cluster.router.status.remote())["workers"]
+    busiest = max((w for w in workers if w.startswith("decode-") and workers[w]["healthy"]),
+                  key=lambda w: workers[w]["inflight"])
+    assert workers[busiest]["inflight"] > 0, workers
+    ray.kill(cluster.workers[busiest], no_restart=True)
+    return busiest, await asyncio.gather(*tasks)
+
+
+@pytest.mark.timeout(120 if not FULL else 3600)
+def test_killing_the_decode_worker_mid_stream_loses_no_token(cluster, engine):
+    totals = {"streams": 0, "migrated": 0, "identical": 0, "retriable": 0}
+    for run in range(RUNS):
+        batch = prompts(run)
+        reference = [o.token_ids for o in engine.generate(batch, [PARAMS] * len(batch))]
+        killed, results = asyncio.run(asyncio.wait_for(kill_mid_stream(cluster, run, batch), 90))
+        migrated = identical = retriable = 0
+        for i, (tokens, last) in enumerate(results):
+            if isinstance(last, StreamBroken):  # allowed, but only with the true count and a true prefix
+                retriable += 1
+                assert last.tokens_sent == len(tokens) and tokens == reference[i][:len(tokens)], f"stream {i}"
+                continue
+            assert tokens == reference[i], f"run {run} stream {i}: tokens differ from the fault-free run"
+            identical += 1
+            assert last.finish_reason == "length"
+            assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(batch[i]), MAX_TOKENS)
+            assert last.decode_worker != killed
+            migrated += last.timing.migrations > 0
+        assert migrated + retriable >= 1, "the killed worker served none of the streams"
+        print(f"\nrun {run}: killed {killed}; {len(batch)} streams: {migrated} migrated, "
+              f"{identical} identical, {retriable} failed retriable")
+        for key, value in zip(totals, (len(batch), migrated, identical, retriable)):
+            totals[key] += value
+        wait_pools_whole(cluster)
+        cluster.replace_worker(killed)  # back to two decode workers for the next run
+    print(f"decode kill, {RUNS} runs: {totals}")
+    assert totals["identical"] + totals["retriable"] == totals["streams"]
+
+
+async def kill_while_prefilling(cluster, batch: list[list[int]]) -> tuple[str, list]:
+    """Start `batch`, SIGKILL the first prefill worker seen with a request in flight."""
+    never = asyncio.Event()
+    tasks = [asyncio.create_task(stream(cluster.router, f"pkill-{i}", p, never)) for i, p in enumerate(batch)]
+    while True:
+        workers = (await cluster.router.status.remote())["workers"]
+        busy = [w for w in workers if w.startswith("prefill-") and workers[w]["inflight"] > 0]
+        if busy:
+            break
+        await asyncio.sleep(0.01)
+    ray.kill(cluster.workers[busy[0]], no_restart=True)
+    return busy[0], await asyncio.gather(*tasks)
+
+
+@pytest.mark.timeout(120)
+def test_killing_a_prefill_worker_before_its_kv_arrives_loses_no_request(cluster, engine):
+    """Long prompts keep the prefill busy; wherever the kill lands (prefilling: the router
+    retries the prefill on the other worker; pulling: the decode worker recomputes, or the
+    router migrates), every stream ends with the fault-free tokens."""
+    while sum(w.startswith("prefill-") for w in cluster.workers) < 2:
+        cluster.add_worker("prefill")
+    rng = random.Random(99)
+    batch = [[rng.randrange(3, VOCAB) for _ in range(1500)] for _ in range(2)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    reference = [o.token_ids for o in engine.generate(batch, [params] * len(batch))]
+    killed, results = asyncio.run(asyncio.wait_for(kill_while_prefilling(cluster, batch), 90))
+    migrated = recomputed = 0
+    for i, (tokens, last) in enumerate(results):
+        assert not isinstance(last, StreamBroken), last  # one prefill worker is left: no reason to give up
+        assert tokens == reference[i], f"stream {i}: tokens differ from the fault-free run"
+        assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(batch[i]), MAX_TOKENS)
+        assert last.prefill_worker != killed
+        migrated += last.timing.migrations > 0
+        recomputed += last.timing.recomputed
+    print(f"\nprefill kill: killed {killed}; {len(batch)} streams: {migrated} migrated, {recomputed} recomputed, "
+          f"{len(batch)} identical, 0 failed")
+    wait_pools_whole(cluster)
+    cluster.replace_worker(killed)
