@@ -1,18 +1,23 @@
-"""Chaos: more greedy streams than the KV pools hold, then a worker that dies quietly (real local
-Ray, `tiny` preset, one colocated cluster of 2 mixed workers with tiny KV pools).
+"""Chaos: more greedy streams than the KV pools hold, Redis stopped under load, then a worker that
+dies quietly (real local Ray, a real redis-server, `tiny` preset, one colocated cluster of 2 mixed
+workers with tiny KV pools, routing by the KV index).
 
 - KV exhaustion: every stream completes, token-identical to an unloaded single-process run, and
   the workers preempted (recompute) to get there.
+- Redis down: streams started before Redis is stopped and while it is down all complete (routed
+  by load alone); after a restart (empty, same port) the router's index is available again and
+  both workers' leases are back.
 - Health: a SIGKILLed worker with nothing in flight is found only by the router's health check;
   it is marked unhealthy within a few health intervals and no new request is routed to it.
 
-CI runs 8 streams; BRIGADE_CHAOS_FULL=1 runs 32. Each test prints its figure.
+CI runs 8 streams per test; BRIGADE_CHAOS_FULL=1 runs 32. Each test prints its figure.
 """
 from __future__ import annotations
 
 import asyncio
 import os
 import random
+import socket
 import time
 
 import pytest
@@ -20,7 +25,10 @@ import ray
 
 from cluster.config import ClusterConfig
 from cluster.launch import launch, start_ray
+from cluster.redis_server import EmbeddedRedis
+from cluster.registry import connect
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+from router.prefix_index import PrefixIndex
 from router.types import GenerateRequest
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -34,12 +42,23 @@ PARAMS = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def redis_server():
+    with socket.socket() as s:  # a fixed port, so the server can be stopped and started again there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = EmbeddedRedis(port=port).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_server):
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     os.environ["RAY_AUTH_MODE"] = "disabled"
     start_ray(ClusterConfig(num_cpus=4))
     cl = launch(ClusterConfig(num_cpus=2, mode="colocated", decode=2, engine={"num_blocks": NUM_BLOCKS},
-                              router={"health_interval_s": HEALTH_INTERVAL_S}))
+                              index={"lease_ttl_s": 3.0, "key_prefix": f"chaos{random.randrange(1 << 30)}"},
+                              router={"health_interval_s": HEALTH_INTERVAL_S}), redis_server.url)
     try:
         yield cl
     finally:
@@ -82,6 +101,46 @@ def test_more_streams_than_the_kv_pool_holds_all_complete_identical(cluster):
     assert preemptions > 0, stats
     for wid, s in stats.items():  # nothing leaked: every pool back to whole (cached blocks count as free)
         assert s["free_blocks"] == s["num_blocks"] and not s["running"] and not s["waiting"], (wid, s)
+
+
+def index_available(cluster) -> bool:
+    return ray.get(cluster.router.status.remote())["index"]["available"]
+
+
+@pytest.mark.timeout(120)
+def test_redis_stopped_under_load_loses_no_request_and_the_index_resyncs(cluster, redis_server):
+    rng = random.Random(7)
+    batch = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(20, 40))] for _ in range(STREAMS)]
+    assert index_available(cluster)
+
+    async def main():
+        first = [asyncio.create_task(collect(cluster.router, f"up{i}", p)) for i, p in enumerate(batch)]
+        await asyncio.sleep(0.05)  # in flight when Redis goes
+        await asyncio.to_thread(redis_server.stop)
+        down = [asyncio.create_task(collect(cluster.router, f"down{i}", p)) for i, p in enumerate(batch)]
+        return await asyncio.gather(*first, *down, return_exceptions=True)
+
+    try:
+        results = asyncio.run(asyncio.wait_for(main(), 120))
+        errors = [r for r in results if isinstance(r, BaseException)]
+        done = [r for r in results if not isinstance(r, BaseException) and r[1].finish_reason == "length"]
+        deadline = time.monotonic() + 20
+        while index_available(cluster):  # the router saw it go: the resync below is a real one
+            assert time.monotonic() < deadline, "the router never noticed Redis was down"
+            time.sleep(0.05)
+    finally:
+        redis_server.start()  # empty, on the same port
+    t0 = time.monotonic()
+    deadline = t0 + 30
+    index = PrefixIndex(connect(redis_server.url), cluster.cfg.index.key_prefix, "tiny")
+    while not (index_available(cluster) and len(index.live_epochs()) == len(cluster.workers)):
+        assert time.monotonic() < deadline, "the index did not come back within 30 s of Redis' restart"
+        time.sleep(0.05)
+    resync_s = time.monotonic() - t0
+    print(f"\nredis down: {len(results)} requests ({STREAMS} in flight at the stop, {STREAMS} sent while down), "
+          f"{len(errors)} errors, {len(done)} complete; index and leases back {resync_s:.2f} s after restart")
+    assert not errors, errors[:3]
+    assert len(done) == 2 * STREAMS
 
 
 @pytest.mark.timeout(120)
