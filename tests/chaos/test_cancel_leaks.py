@@ -106,7 +106,7 @@ def _prompt(rng: random.Random) -> list[int]:
 
 
 @pytest.mark.timeout(900)
-def test_cancel_at_a_random_token_leaks_nothing(cluster) -> None:
+def test_cancel_at_a_random_token_leaks_nothing(cluster, chaos_figure) -> None:
     rng = random.Random(10)
     baseline = cluster.stats()
     assert all(pool_whole(s) for s in baseline.values()), baseline
@@ -137,5 +137,7 @@ def test_cancel_at_a_random_token_leaks_nothing(cluster) -> None:
     leaked = {w: baseline[w]["free_blocks"] - s["free_blocks"] for w, s in after.items()}
     print(f"\n{RUNS} requests, {aborted} cancelled mid-way, in {time.monotonic() - t0:.1f} s: leaked blocks {leaked}, "
           f"router running {status['running']}, waiting {status['waiting']}")
+    chaos_figure("cancel_leaks", {"leaked_blocks": sum(leaked.values())}, {"leaked_blocks": "<= 0"},
+                 requests=RUNS, cancelled=aborted, leaked=leaked, seconds=time.monotonic() - t0)
     assert status["running"] == status["waiting"] == 0
     assert all(w["inflight"] == 0 and w["queued_tokens"] == 0 for w in status["workers"].values()), status

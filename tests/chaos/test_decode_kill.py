@@ -100,7 +100,7 @@ async def kill_mid_stream(cluster, run: int, batch: list[list[int]]) -> tuple[st
 
 
 @pytest.mark.timeout(120 if not FULL else 3600)
-def test_killing_the_decode_worker_mid_stream_loses_no_token(cluster, engine):
+def test_killing_the_decode_worker_mid_stream_loses_no_token(cluster, engine, chaos_figure):
     totals = {"streams": 0, "migrated": 0, "identical": 0, "retriable": 0}
     for run in range(RUNS):
         batch = prompts(run)
@@ -126,6 +126,9 @@ def test_killing_the_decode_worker_mid_stream_loses_no_token(cluster, engine):
         wait_pools_whole(cluster)
         cluster.replace_worker(killed)  # back to two decode workers for the next run
     print(f"decode kill, {RUNS} runs: {totals}")
+    ended_well = (totals["identical"] + totals["retriable"]) / totals["streams"]
+    chaos_figure("decode_kill", {"identical_or_retriable": ended_well}, {"identical_or_retriable": ">= 1.0"},
+                 runs=RUNS, **totals)
     assert totals["identical"] + totals["retriable"] == totals["streams"]
 
 

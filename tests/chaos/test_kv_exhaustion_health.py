@@ -10,7 +10,8 @@ workers with tiny KV pools, routing by the KV index).
 - Health: a SIGKILLed worker with nothing in flight is found only by the router's health check;
   it is marked unhealthy within a few health intervals and no new request is routed to it.
 
-CI runs 8 streams per test; BRIGADE_CHAOS_FULL=1 runs 32. Each test prints its figure.
+CI runs 8 streams per test; BRIGADE_CHAOS_FULL=1 runs 32 and writes the figures to
+benchmarks/results/chaos.json (tests/chaos/conftest.py). Each test prints its figure.
 """
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ def run(router, requests: list[tuple[str, list[int]]]) -> list:
 
 
 @pytest.mark.timeout(180)
-def test_more_streams_than_the_kv_pool_holds_all_complete_identical(cluster):
+def test_more_streams_than_the_kv_pool_holds_all_complete_identical(cluster, chaos_figure):
     rng = random.Random(5)
     batch = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(20, 40))] for _ in range(STREAMS)]
     engine = LLMEngine(EngineConfig(model="tiny", num_threads=1, cache=CacheConfig(num_blocks=512)))
@@ -95,6 +96,9 @@ def test_more_streams_than_the_kv_pool_holds_all_complete_identical(cluster):
     identical = sum(tokens == reference[i] for i, (tokens, _) in enumerate(results))
     print(f"\nkv exhaustion: {STREAMS} streams on 2 x {NUM_BLOCKS} blocks; {preemptions} preemptions, "
           f"{identical}/{STREAMS} complete and identical, {seconds:.1f} s")
+    chaos_figure("kv_exhaustion", {"identical_fraction": identical / STREAMS}, {"identical_fraction": ">= 1.0"},
+                 streams=STREAMS, num_blocks_per_worker=NUM_BLOCKS, preemptions=preemptions, identical=identical,
+                 seconds=seconds)
     for i, (tokens, last) in enumerate(results):
         assert last.finish_reason == "length", f"stream {i}: {last.finish_reason}"
         assert tokens == reference[i], f"stream {i}: tokens differ from the unloaded run"
@@ -108,7 +112,7 @@ def index_available(cluster) -> bool:
 
 
 @pytest.mark.timeout(120)
-def test_redis_stopped_under_load_loses_no_request_and_the_index_resyncs(cluster, redis_server):
+def test_redis_stopped_under_load_loses_no_request_and_the_index_resyncs(cluster, redis_server, chaos_figure):
     rng = random.Random(7)
     batch = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(20, 40))] for _ in range(STREAMS)]
     assert index_available(cluster)
@@ -139,12 +143,14 @@ def test_redis_stopped_under_load_loses_no_request_and_the_index_resyncs(cluster
     resync_s = time.monotonic() - t0
     print(f"\nredis down: {len(results)} requests ({STREAMS} in flight at the stop, {STREAMS} sent while down), "
           f"{len(errors)} errors, {len(done)} complete; index and leases back {resync_s:.2f} s after restart")
+    chaos_figure("redis_down", {"success_fraction": len(done) / len(results)}, {"success_fraction": ">= 1.0"},
+                 requests=len(results), errors=len(errors), complete=len(done), resync_s=resync_s)
     assert not errors, errors[:3]
     assert len(done) == 2 * STREAMS
 
 
 @pytest.mark.timeout(120)
-def test_a_dead_worker_is_marked_unhealthy_and_gets_no_new_request(cluster):
+def test_a_dead_worker_is_marked_unhealthy_and_gets_no_new_request(cluster, chaos_figure):
     workers = ray.get(cluster.router.status.remote())["workers"]
     assert all(w["healthy"] for w in workers.values()), workers
     victim = sorted(workers)[0]
@@ -161,5 +167,7 @@ def test_a_dead_worker_is_marked_unhealthy_and_gets_no_new_request(cluster):
     served = {last.decode_worker for _, last in results}
     print(f"\nhealth: {victim} SIGKILLed, marked unhealthy after {seconds:.2f} s "
           f"(health interval {HEALTH_INTERVAL_S} s); {len(batch)} new requests served by {sorted(served)}")
+    chaos_figure("dead_worker_health", {"detect_s": seconds}, {"detect_s": f"<= {5 + HEALTH_INTERVAL_S}"},
+                 health_interval_s=HEALTH_INTERVAL_S, new_requests=len(batch), served_by=sorted(served))
     assert victim not in served and all(last.finish_reason == "length" for _, last in results)
     cluster.replace_worker(victim)
