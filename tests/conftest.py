@@ -74,3 +74,18 @@ def torch_single_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    """A real redis-server on a fixed port, so a test can stop it and start it again there."""
+    import socket
+
+    from cluster.redis_server import EmbeddedRedis
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = EmbeddedRedis(port=port).start()
+    yield srv
+    srv.stop()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 import time
 
 import pytest
@@ -15,7 +14,6 @@ import ray
 
 from cluster.config import ClusterConfig
 from cluster.launch import launch, start_ray
-from cluster.redis_server import EmbeddedRedis
 from cluster.registry import connect
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from router.actor import RouterActor
@@ -30,16 +28,6 @@ SHARED = [[rng.randrange(3, 4096) for _ in range(160)] for _ in range(4)]  # 10 
 FIRST = [s + [rng.randrange(3, 4096) for _ in range(20)] for s in SHARED]
 SECOND = [s + [rng.randrange(3, 4096) for _ in range(30)] for s in SHARED]
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    with socket.socket() as s:  # a fixed port, so the server can be stopped and started again there
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = EmbeddedRedis(port=port).start()
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import socket
 import time
 
 import pytest
@@ -26,7 +25,6 @@ import ray
 
 from cluster.config import ClusterConfig
 from cluster.launch import launch, start_ray
-from cluster.redis_server import EmbeddedRedis
 from cluster.registry import connect
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from router.prefix_index import PrefixIndex
@@ -40,16 +38,6 @@ VOCAB = 4096  # the tiny preset's
 NUM_BLOCKS = 16  # per worker; one stream needs up to 7 blocks of 16 tokens
 HEALTH_INTERVAL_S = 0.3
 PARAMS = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    with socket.socket() as s:  # a fixed port, so the server can be stopped and started again there
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = EmbeddedRedis(port=port).start()
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture(scope="module")
