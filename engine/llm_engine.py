@@ -77,7 +77,9 @@ class LLMEngine:
 
     def _track(self, seq: Sequence, emitted: list[int] | None = None) -> None:
         self.seqs[seq.request_id] = seq
-        detok = IncrementalDetokenizer(self.tokenizer)
+        p = seq.params
+        detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids[seq.num_prompt_tokens - p.resumed_tokens:],
+                                       p.resumed_chars)
         if emitted:  # the prefill side already streamed this text (less the same holdback)
             detok.update(emitted)
             detok.take(_holdback(seq.params))
@@ -303,6 +305,9 @@ def check_request(token_ids: list[int], params: SamplingParams, *, vocab_size: i
     if total > max_model_len:
         raise InvalidRequest("max_tokens", f"prompt ({len(token_ids)}) + max_tokens ({params.max_tokens}) "
                                            f"exceeds the context length {max_model_len}")
+    if params.resumed_tokens >= len(token_ids):
+        raise InvalidRequest("resumed_tokens", f"{params.resumed_tokens} resumed tokens leave no prompt of the "
+                                               f"{len(token_ids)} tokens")
     if -(-total // block_size) > num_blocks:
         raise InvalidRequest("max_tokens", f"needs {-(-total // block_size)} KV blocks; "
                                            f"the pool has {num_blocks}")

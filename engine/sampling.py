@@ -28,6 +28,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token
+    # A migrated request's continuation (router/migration.py): the prompt's last `resumed_tokens`
+    # are output the client already has, `resumed_chars` characters of their text. The engine's
+    # detokenizer and stop strings run over the whole output, and text resumes after those characters.
+    resumed_tokens: int = 0
+    resumed_chars: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -44,6 +49,10 @@ class SamplingParams:
             raise InvalidRequest("min_p", f"must be in [0, 1], got {self.min_p}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequest("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("resumed_tokens", "resumed_chars"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise InvalidRequest(name, f"must be an integer >= 0, got {value!r}")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidRequest("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         if any(not s for s in self.stop):

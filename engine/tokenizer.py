@@ -72,26 +72,34 @@ def chat_token_ids(tokenizer: Tokenizer | None, messages: object) -> list[int]:
 
 class IncrementalDetokenizer:
     """Text of a growing token list, handed out in deltas that never split a UTF-8 character
-    and, while a stop string might be forming, hold back its possible start."""
+    and, while a stop string might be forming, hold back its possible start.
 
-    def __init__(self, tokenizer: Tokenizer | None):
+    A migrated request's continuation starts from `prefix` (the output tokens the client
+    already has) with `emitted` (the characters of their text it already has): its text is
+    that of the whole output, so stop strings match across the migration point and text the
+    dead worker held back (a possible stop string's start, an incomplete character) comes
+    out here."""
+
+    def __init__(self, tokenizer: Tokenizer | None, prefix: Sequence[int] = (), emitted: int = 0):
         self.tokenizer = tokenizer
+        self.prefix = list(prefix)
         self.text = ""
-        self.emitted = 0  # characters of `text` already handed out
+        self.emitted = emitted  # characters of the text already handed out
 
     def update(self, token_ids: list[int]) -> None:
         if self.tokenizer is None:
             return
-        full = self.tokenizer.decode(token_ids)
+        full = self.tokenizer.decode(self.prefix + token_ids)
         if not full.endswith("\ufffd"):  # an incomplete byte sequence: wait for the next token
             self.text = full
 
     def take(self, holdback: int = 0) -> str:
-        """Text not handed out yet, keeping the last `holdback` characters back."""
-        start = min(self.emitted, len(self.text))
-        upto = max(start, len(self.text) - holdback)
-        self.emitted = upto
-        return self.text[start:upto]
+        """Text not handed out yet, keeping the last `holdback` characters back. Never hands out
+        a character twice, also while the text is shorter than what was handed out (a continuation
+        whose prefix ends in an incomplete character)."""
+        upto = max(self.emitted, len(self.text) - holdback)
+        delta, self.emitted = self.text[self.emitted:upto], upto
+        return delta
 
 
 def _token_text(tok) -> str | None:

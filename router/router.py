@@ -213,6 +213,7 @@ class Router:
         """The request's chunks; when a worker dies under it, the rest comes from a continuation
         (prompt + the tokens sent) on other workers, so the client sees every token once."""
         sent: list[int] = []
+        chars = 0  # characters of text sent (a continuation resumes its text after them)
         avoid: set[str] = set()  # workers that failed this request
         attempt = req
         while True:
@@ -222,6 +223,7 @@ class Router:
                 async for chunk, prefill, decode in run:
                     chunk.request_id = req.request_id
                     sent += chunk.token_ids
+                    chars += len(chunk.text)
                     if chunk.finished and chunk.usage is not None and attempt is not req:
                         chunk.usage = dataclasses.replace(
                             chunk.usage, prompt_tokens=len(req.prompt_token_ids), completion_tokens=len(sent),
@@ -248,7 +250,7 @@ class Router:
             if req.request_id in self._aborted:
                 yield _abort_chunk(req.request_id), None, None
                 return
-            attempt = continuation(req, sent, timing.migrations) if sent else dataclasses.replace(
+            attempt = continuation(req, sent, chars, timing.migrations) if sent else dataclasses.replace(
                 req, request_id=f"{req.request_id}#m{timing.migrations}")
 
     async def _colocated(self, req: GenerateRequest, key: str, avoid: set[str]):

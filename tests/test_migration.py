@@ -143,9 +143,10 @@ def test_a_continuations_shifted_seed_keys_every_position_like_the_original(seed
 
 def test_continuation_extends_the_prompt_and_shortens_max_tokens():
     req = GenerateRequest("x", [1, 2], SamplingParams(max_tokens=9, seed=5, temperature=0.7))
-    cont = continuation(req, [3, 4, 5], 1)
+    cont = continuation(req, [3, 4, 5], 11, 1)
     assert cont.prompt_token_ids == [1, 2, 3, 4, 5] and cont.params.max_tokens == 6
     assert cont.params.temperature == 0.7 and cont.params.seed == shifted_seed(5, 3)
+    assert (cont.params.resumed_tokens, cont.params.resumed_chars) == (3, 11)
     assert req.prompt_token_ids == [1, 2] and req.params.max_tokens == 9  # the original is untouched
 
 
