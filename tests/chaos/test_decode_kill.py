@@ -9,6 +9,7 @@ worker is replaced between runs). Each run prints its figures.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import random
 import time
@@ -68,13 +69,16 @@ def wait_pools_whole(cluster, timeout_s: float = 15.0) -> None:
         time.sleep(0.1)
 
 
-async def stream(router, rid: str, prompt: list[int], ready: asyncio.Event) -> tuple[list[int], object]:
-    """(tokens, the last chunk or the StreamBroken that ended the stream)."""
+async def stream(router, rid: str, prompt: list[int], ready: asyncio.Event,
+                 params: SamplingParams = PARAMS, text: list[str] | None = None) -> tuple[list[int], object]:
+    """(tokens, the last chunk or the StreamBroken that ended the stream); the text goes to `text`."""
     tokens, chunks = [], 0
     try:
-        async for ref in router.generate.remote(GenerateRequest(rid, prompt, PARAMS)):
+        async for ref in router.generate.remote(GenerateRequest(rid, prompt, params)):
             chunk = await ref
             tokens += chunk.token_ids
+            if text is not None:
+                text.append(chunk.text)
             chunks += 1
             if chunks == KILL_AFTER_CHUNKS:
                 ready.set()
@@ -86,10 +90,13 @@ async def stream(router, rid: str, prompt: list[int], ready: asyncio.Event) -> t
     raise AssertionError(f"{rid}: the stream ended without a last chunk")
 
 
-async def kill_mid_stream(cluster, run: int, batch: list[list[int]]) -> tuple[str, list]:
+async def kill_mid_stream(cluster, run: int, batch: list[list[int]], params: list[SamplingParams] | None = None,
+                          texts: list[list[str]] | None = None) -> tuple[str, list]:
     readies = [asyncio.Event() for _ in batch]
-    tasks = [asyncio.create_task(stream(cluster.router, f"kill{run}-{i}", p, r))
-             for i, (p, r) in enumerate(zip(batch, readies))]
+    params = params or [PARAMS] * len(batch)
+    texts = texts or [None] * len(batch)
+    tasks = [asyncio.create_task(stream(cluster.router, f"kill{run}-{i}", p, r, sp, t))
+             for i, (p, r, sp, t) in enumerate(zip(batch, readies, params, texts))]
     await asyncio.gather(*(r.wait() for r in readies))
     workers = (await cluster.router.status.remote())["workers"]
     busiest = max((w for w in workers if w.startswith("decode-") and workers[w]["healthy"]),
@@ -168,5 +175,45 @@ def test_killing_a_prefill_worker_before_its_kv_arrives_loses_no_request(cluster
         recomputed += last.timing.recomputed
     print(f"\nprefill kill: killed {killed}; {len(batch)} streams: {migrated} migrated, {recomputed} recomputed, "
           f"{len(batch)} identical, 0 failed")
+    wait_pools_whole(cluster)
+    cluster.replace_worker(killed)
+
+
+def spanning_stop(engine, tokens: list[int], text: str, first: int, last: int) -> str:
+    """A stop string of `text` (the fault-free output of `tokens`) from where token `first`'s text
+    starts to where token `last`'s ends: moved to neighbouring tokens where a character is split."""
+    def offset(n: int, step: int) -> int:
+        while not text.startswith(piece := engine.tokenizer.decode(tokens[:n])) or piece.endswith("\ufffd"):
+            n += step
+        return len(piece)
+    start, end = offset(first, -1), offset(last + 1, 1)
+    assert text.find(text[start:end]) == start < end, "the stop string must first occur there"
+    return text[start:end]
+
+
+@pytest.mark.timeout(120)
+def test_a_stop_string_spanning_the_migration_point_stops_the_migrated_stream_as_without_the_kill(cluster, engine):
+    """Each stream's stop string starts two tokens before the kill (the client has KILL_AFTER_CHUNKS
+    tokens then) and ends far after it: a migrated stream's stop string spans the migration point, and
+    the text the dead worker held back is only in the new worker's detokenizer. The client must get the
+    fault-free text, finish reason and usage all the same (router/migration.py)."""
+    batch = prompts(7)
+    free = engine.generate(batch, [PARAMS] * len(batch))
+    stops = [spanning_stop(engine, o.token_ids, o.text, KILL_AFTER_CHUNKS - 2, KILL_AFTER_CHUNKS + 40) for o in free]
+    params = [dataclasses.replace(PARAMS, stop=(s,)) for s in stops]
+    reference = engine.generate(batch, params)
+    assert all(o.finish_reason == "stop" for o in reference)
+    texts: list[list[str]] = [[] for _ in batch]
+    killed, results = asyncio.run(asyncio.wait_for(kill_mid_stream(cluster, 100, batch, params, texts), 90))
+    migrated = 0
+    for i, ((tokens, last), ref) in enumerate(zip(results, reference)):
+        if isinstance(last, StreamBroken):
+            assert last.tokens_sent == len(tokens) and tokens == ref.token_ids[:len(tokens)], f"stream {i}"
+            continue
+        got = ("".join(texts[i]), tokens, last.finish_reason, last.usage.completion_tokens)
+        assert got == (ref.text, ref.token_ids, "stop", len(ref.token_ids)), f"stream {i}"
+        migrated += last.timing.migrations > 0
+    print(f"\nstop strings over the migration point: killed {killed}; {migrated} of {len(batch)} streams migrated")
+    assert migrated >= 1, "no stream moved: the kill came after every stop string had matched"
     wait_pools_whole(cluster)
     cluster.replace_worker(killed)
