@@ -78,8 +78,8 @@ class LLMEngine:
     def _track(self, seq: Sequence, emitted: list[int] | None = None) -> None:
         self.seqs[seq.request_id] = seq
         p = seq.params
-        detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids[seq.num_prompt_tokens - p.resumed_tokens:],
-                                       p.resumed_chars)
+        resumed = seq.prompt_token_ids[seq.num_prompt_tokens - p.resumed_tokens:]  # a continuation's output so far
+        detok = IncrementalDetokenizer(self.tokenizer, resumed, p.resumed_chars)
         if emitted:  # the prefill side already streamed this text (less the same holdback)
             detok.update(emitted)
             detok.take(_holdback(seq.params))

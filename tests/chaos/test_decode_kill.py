@@ -185,6 +185,7 @@ def spanning_stop(engine, tokens: list[int], text: str, first: int, last: int) -
     def offset(n: int, step: int) -> int:
         while not text.startswith(piece := engine.tokenizer.decode(tokens[:n])) or piece.endswith("\ufffd"):
             n += step
+            assert 0 <= n <= len(tokens), "no token boundary to cut the stop string at"
         return len(piece)
     start, end = offset(first, -1), offset(last + 1, 1)
     assert text.find(text[start:end]) == start < end, "the stop string must first occur there"
