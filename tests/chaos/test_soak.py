@@ -15,8 +15,11 @@ driver's (which runs the load) every SAMPLE_S seconds. The drift compares a proc
 RSS over a window right after the warm-up (the pools, allocator arenas and caches have settled)
 with its median over the last window of the run: medians, so a sample taken mid-prefill or
 mid-migration does not decide it. Only processes alive in both windows count (killed workers'
-replacements start fresh); per process and in total (sum of ends / sum of starts - 1). The
-target is a drift under 5%, 0 leaked blocks and 0 hung streams.
+replacements start fresh); per process and in total (sum of ends / sum of starts - 1).
+
+Asserted: 0 wrong outputs, 0 hung streams, 0 failed ones (a SIGKILLed worker's requests
+migrate), 0 leaked blocks, every killed worker replaced. The RSS drift is a measurement with
+its target (< 5%) recorded beside it, like a benchmark's, not an assertion.
 """
 from __future__ import annotations
 
@@ -270,6 +273,7 @@ def test_soak(cluster, chaos_figure):
                  rss={str(pid): p for pid, p in per.items()})
     assert c["wrong"] == 0, tally.errors
     assert c["hung"] == 0, tally.errors
+    assert c["failed"] == 0, tally.errors
     assert leaked == 0, held
     assert len(supervisor.replaced) == len(killed), (killed, supervisor.replaced)
     assert c["done"] > 0
