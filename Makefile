@@ -48,11 +48,12 @@ $(VENV)/bin/kubectl: k8s/tools/install_kubectl.py | $(PY)
 	$(PY) k8s/tools/install_kubectl.py $@
 
 # Debian packages the tests need. No systemd here: tests start redis-server themselves;
-# the gRPC TLS test makes its certificate with the openssl CLI.
+# the gRPC TLS test makes its certificate with the openssl CLI; the KV link chaos test
+# resets a live TCP connection with iproute2's `ss -K`.
 system-deps:
-	@command -v redis-server >/dev/null 2>&1 && command -v openssl >/dev/null 2>&1 || { \
+	@command -v redis-server >/dev/null 2>&1 && command -v openssl >/dev/null 2>&1 && command -v ss >/dev/null 2>&1 || { \
 	    $(SUDO) apt-get update && \
-	    $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server openssl; }
+	    $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server openssl iproute2; }
 
 test: dev
 	$(RAY_ENV) $(PY) -m pytest $(PYTEST_ARGS)

@@ -201,7 +201,7 @@ class DecodeWorker:
         return self.loop.abort(request_id).result()
 
     def health(self) -> dict:
-        return worker_health(self.worker_id, self.loop, self.publisher)
+        return worker_health(self.worker_id, self.loop, self.publisher, self.channels)
 
     def stats(self) -> dict:
         return self.loop.call(lambda e: e.stats()).result() | {"channels": sorted(self.channels)}

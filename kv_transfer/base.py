@@ -47,6 +47,7 @@ class Link(Protocol):
     `timeout_s`, ChannelClosed when the peer is gone; either leaves the link closed."""
 
     payload_device: torch.device  # where payload tensors must live to go over this link
+    closed: bool  # by close() or by the first failure
 
     def send(self, tensor: torch.Tensor, kind: Msg, timeout_s: float | None = None) -> None: ...
     def recv(self, out: torch.Tensor, kind: Msg, timeout_s: float | None = None) -> None: ...
@@ -70,6 +71,7 @@ class KVSender(Protocol):
 
     stats: ChannelStats
     corrupt_next_payload: bool  # test hook: flip one payload byte after the checksum is taken
+    broken: bool  # closed, or its link failed: the pair must be rebuilt
 
     def send(self, request_id: str, kv: torch.Tensor, num_tokens: int,
              timeout_s: float | None = None) -> TransferHeader:
@@ -86,6 +88,7 @@ class KVReceiver(Protocol):
     one of `recv_payload` or `refuse` for that header (the sender is waiting for the ack)."""
 
     stats: ChannelStats
+    broken: bool  # closed, or its link failed: the pair must be rebuilt
 
     def recv_header(self, timeout_s: float | None = None) -> TransferHeader:
         """Wait for the next request's header and check it against this receiver's layout.

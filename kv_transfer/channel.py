@@ -51,6 +51,12 @@ class SenderChannel:
         self.corrupt_next_payload = False
         self.closed = False
 
+    @property
+    def broken(self) -> bool:
+        """Closed, by its owner or by a failure of the link (a timeout, a reset): only a new
+        pair carries KV to this peer again."""
+        return self.closed or self.link.closed
+
     def send(self, request_id: str, kv: torch.Tensor, num_tokens: int,
              timeout_s: float | None = None) -> TransferHeader:
         if self.closed:
@@ -103,6 +109,11 @@ class ReceiverChannel:
         self.closed = False
         self._pending: TransferHeader | None = None  # checked, waiting for recv_payload/refuse
         self._header_buf = torch.empty(HEADER_SIZE, dtype=torch.uint8)
+
+    @property
+    def broken(self) -> bool:
+        """As SenderChannel.broken."""
+        return self.closed or self.link.closed
 
     def recv_header(self, timeout_s: float | None = None) -> TransferHeader:
         self._check_open()

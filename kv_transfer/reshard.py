@@ -134,6 +134,10 @@ class ShardedSender:
     def corrupt_next_payload(self, value: bool) -> None:  # test hook: corrupts rank 0's piece
         self.channels[0][1].corrupt_next_payload = value
 
+    @property
+    def broken(self) -> bool:
+        return self.closed or any(channel.broken for _, channel in self.channels)
+
     def send(self, request_id: str, kv: torch.Tensor, num_tokens: int, timeout_s: float | None = None) -> None:
         for piece, channel in self.channels:
             channel.send(request_id, cut(kv, self.full, piece), num_tokens, timeout_s)

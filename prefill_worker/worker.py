@@ -48,7 +48,9 @@ class PrefillWorker:
     def connect(self, decode_id: str, address: tuple[str, int] | list[tuple[str, int]]) -> None:
         """Join decode worker `decode_id`'s transfer server (blocks until it accepts). A list of
         addresses is a tensor-parallel decode worker, one per rank: each rank gets its own pair
-        and, per request, exactly its KV heads (kv_transfer.reshard)."""
+        and, per request, exactly its KV heads (kv_transfer.reshard). Replaces an existing pair
+        with that worker (the router rebuilds a pair whose link failed)."""
+        self.disconnect(decode_id)
         if isinstance(address, list):
             self.channels[decode_id] = connect_group(address, self.layout, self.transfer_cfg, self.worker_id)
         else:
@@ -140,7 +142,7 @@ class PrefillWorker:
         self.channels[decode_id].corrupt_next_payload = True
 
     def health(self) -> dict:
-        return worker_health(self.worker_id, self.loop, self.publisher)
+        return worker_health(self.worker_id, self.loop, self.publisher, self.channels)
 
     def stats(self) -> dict:
         return self.loop.call(lambda e: e.stats()).result() | {
@@ -156,10 +158,12 @@ class PrefillWorker:
         self.engine.close()  # after the loop: finishes pending HiCache disk writes
 
 
-def worker_health(worker_id: str, loop: EngineLoop, publisher) -> dict:
-    """What the router's health check reads: liveness, what it hashes with, and its load.
+def worker_health(worker_id: str, loop: EngineLoop, publisher, channels: dict | None = None) -> dict:
+    """What the router's health check reads: liveness, what it hashes with, its load, and the
+    peers whose KV link failed (the router rebuilds those pairs).
     (Unlocked reads of two counters from the engine thread: a hint, like the index.)"""
     e = loop.engine
     return {"worker_id": worker_id, **loop.health(), "model_id": e.model_id, "block_size": e.block_size,
             "free_blocks": e.pool.num_free, "running": len(e.scheduler.running),
+            "broken_pairs": sorted(peer for peer, ch in list((channels or {}).items()) if ch.broken),
             "index": publisher.status() if publisher is not None else None, **e.runner.health()}

@@ -401,9 +401,26 @@ class Router:
             self._note(worker, report)
         except Exception:  # dead actor, timeout: both mean do not route here
             healthy = False
+        else:
+            await self._unpair_broken(worker, report.get("broken_pairs", ()))
         if healthy != worker.healthy:
             log.warning("worker %s is now %s", worker.worker_id, "healthy" if healthy else "UNHEALTHY")
         worker.healthy = healthy
+
+    async def _unpair_broken(self, worker: WorkerRef, broken) -> None:
+        """Close both ends of each pair whose KV link failed (a reset, a timeout, a stream that
+        lost step): no request is routed over it from now on, and _pair_missing builds a new one.
+        Meanwhile a request already on it is recomputed by its decode worker."""
+        for peer_id in set(broken) & worker.peers:
+            peer = self.workers.get(peer_id)
+            worker.peers.discard(peer_id)
+            ends = [(worker, peer_id)]
+            if peer is not None:
+                peer.peers.discard(worker.worker_id)
+                ends.append((peer, worker.worker_id))
+            log.warning("the KV link between %s and %s failed; rebuilding the pair", worker.worker_id, peer_id)
+            await asyncio.gather(*(asyncio.wait_for(w.handle.disconnect.remote(other), self.cfg.health_timeout_s)
+                                   for w, other in ends), return_exceptions=True)
 
     @staticmethod
     def _note(worker: WorkerRef, report: dict) -> None:

@@ -33,6 +33,7 @@ import time
 import psutil
 import pytest
 import ray
+from ray_processes import actor_processes
 from test_decode_kill import VOCAB
 
 from cluster.config import ClusterConfig, SupervisorConfig
@@ -58,9 +59,6 @@ STREAM_DEADLINE_S = 120.0  # a stream still open then is hung
 WARMUP_S = min(120.0, DURATION_S / 8)
 WINDOW_S = min(120.0, DURATION_S / 8)
 NUM_BLOCKS = 512
-TITLES = ("ray::PrefillActor", "ray::DecodeActor", "ray::RouterActor")  # Ray's process titles
-
-
 def workload(n: int = 48) -> list[tuple[list[int], SamplingParams]]:
     """Prompts of 8..200 tokens (a quarter share a 48-token prefix, so prefix caches hit), 8..64 tokens out."""
     rng = random.Random(2026)
@@ -74,18 +72,8 @@ def workload(n: int = 48) -> list[tuple[list[int], SamplingParams]]:
 
 
 def processes() -> dict[int, str]:
-    """pid -> what it is, for this driver and the actor processes of the Ray it started (its
-    descendants: never another Ray on the same machine)."""
-    found = {os.getpid(): "driver"}
-    for p in psutil.Process().children(recursive=True):
-        try:
-            title = " ".join(p.cmdline())
-        except psutil.Error:  # gone meanwhile
-            continue
-        role = next((t for t in TITLES if title.startswith(t)), None)
-        if role is not None:
-            found[p.pid] = role.removeprefix("ray::")
-    return found
+    """pid -> what it is, for this driver and the actor processes of the Ray it started."""
+    return {os.getpid(): "driver", **actor_processes()}
 
 
 def rss_sample() -> dict[int, tuple[str, int]]:
