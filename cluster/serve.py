@@ -73,6 +73,7 @@ def run(args, cfg: ClusterConfig) -> int:
     signals = _Signals().install()
     services = _Services()
     stopping = False  # a stop was asked for (rather than an error): say when it is done
+    leftovers = None  # after a fatal failure: the processes to be sure are gone at the end
     try:
         try:
             services.start(cfg, signals, redis_url)
@@ -89,13 +90,14 @@ def run(args, cfg: ClusterConfig) -> int:
                    else f"{cfg.num_prefill} prefill, {cfg.decode} decode")
         grpc_at = f" and grpc://{grpc_server.address}" if grpc_server is not None else ""
         print(f"Brigade serving {cfg.model} at {server.url}/v1{grpc_at} ({workers}, {cfg.mode})", flush=True)
-        from cluster.watchdog import EXIT_FAILED, Watchdog  # imports ray, as the services did
+        from cluster.watchdog import EXIT_FAILED, Watchdog, descendants  # imports ray, as the services did
 
         watchdog = Watchdog(services, local_ray=not cfg.ray_address)
         while not signals.stop.wait(WATCH_INTERVAL_S):
             failure = watchdog.check()
             if failure is not None:  # nothing to drain: requests cannot finish without what died
                 print(f"error: {failure}; stopping (exit code {EXIT_FAILED})", file=sys.stderr, flush=True)
+                leftovers = descendants()
                 return EXIT_FAILED
         stopping = True
         grpc_drained = grpc_server.begin_drain(DRAIN_S) if grpc_server is not None else None
@@ -110,6 +112,10 @@ def run(args, cfg: ClusterConfig) -> int:
             grpc_server.close()
         server.server_close()
         services.stop()
+        if leftovers is not None:
+            from cluster.watchdog import stop_leftovers
+
+            stop_leftovers(leftovers)
         if stopping:
             print("stopped", file=sys.stderr, flush=True)
 

@@ -14,12 +14,31 @@ from __future__ import annotations
 
 import sys
 
+import psutil
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 EXIT_FAILED = 3  # `brigade serve` stopped because a part it cannot serve without died
 FATAL_RAY_PROCESSES = ("gcs_server", "raylet")  # ray._private.ray_constants.PROCESS_TYPE_*
 ROUTER_TIMEOUT_S = 10.0  # a busy router answers slowly; only a dead one is fatal
+
+
+def descendants() -> list[psutil.Process]:
+    """Every process under this one, now: taken before stopping after a failure, because Ray's
+    agents outlive a dead raylet as orphans (no longer our children) that nothing else stops."""
+    return psutil.Process().children(recursive=True)
+
+
+def stop_leftovers(procs: list[psutil.Process], grace_s: float = 5.0) -> None:
+    """SIGKILL whichever of `procs` is still running `grace_s` after the normal stop."""
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        try:
+            print(f"stopping a leftover process: pid {p.pid} {p.name()}", file=sys.stderr, flush=True)
+            p.kill()  # psutil checks the pid was not reused
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=grace_s)
 
 
 class Watchdog:
