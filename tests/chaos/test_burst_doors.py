@@ -137,3 +137,47 @@ def test_bursts_at_10x_capacity_are_bounded_refused_with_a_hint_and_memory_stays
     assert refused_counted == len(refusals) + sum(r[1] == "refused" for r in warm_up)
     for name, grown in growth.items():
         assert grown < RSS_GROWTH_LIMIT, f"{name} RSS grew {grown / 2**20:.1f} MB over {BURSTS} bursts"
+
+
+async def probe_full_queue(served: Served, probes: int) -> tuple[list, dict]:
+    """Fill the router (CAPACITY long streams), then send `probes` requests one at a time per
+    door: the refusal latency without a burst's own crowding. The fillers are cancelled after."""
+    from brigade_client.aio import AsyncClient
+
+    async with httpx.AsyncClient(base_url=served.http_base, timeout=120) as h, \
+            AsyncClient(served.grpc_target, timeout=300, max_retries=0) as g:
+        async def filler() -> None:
+            async for _ in g.stream(PROMPT, max_tokens=900, temperature=0, ignore_eos=True):
+                pass
+
+        fillers = [asyncio.create_task(filler()) for _ in range(CAPACITY)]
+        deadline = time.monotonic() + 60
+        while ((health := (await h.get("/health")).json())["running"], health["waiting"]) != (MAX_RUNNING, MAX_WAITING):
+            assert time.monotonic() < deadline, health
+            await asyncio.sleep(0.05)
+        results = []
+        for i in range(2 * probes):
+            results.append(("http", *await http_one(h)) if i % 2 else ("grpc", *await grpc_one(g)))
+        for f in fillers:
+            f.cancel()
+        await asyncio.gather(*fillers, return_exceptions=True)
+        deadline = time.monotonic() + 30
+        while ((health := (await h.get("/health")).json())["running"], health["waiting"]) != (0, 0):
+            assert time.monotonic() < deadline, health
+            await asyncio.sleep(0.05)
+    return results, health
+
+
+@pytest.mark.timeout(300)
+def test_with_the_queue_full_a_request_is_refused_at_once(served: Served, chaos_figure) -> None:
+    results, health = asyncio.run(probe_full_queue(served, probes=50 if FULL else 10))
+    refusals = {door: [r[2] for r in results if r[0] == door and r[1] == "refused"] for door in ("http", "grpc")}
+    figure = {door: {"refused": len(v), "p50_ms": 1000 * pct(v, 0.5), "p99_ms": 1000 * pct(v, 0.99)}
+              for door, v in refusals.items() if v}
+    print(f"\nrefusal with the queue full: {json.dumps(figure)}")
+    chaos_figure("refusal_queue_full", {f"{d}_p99_ms": f["p99_ms"] for d, f in figure.items()},
+                 {f"{d}_p99_ms": "<= 50" for d in figure}, **figure)
+    assert all(r[1] in ("ok", "refused") for r in results), results
+    assert all(r[3] for r in results if r[1] == "refused"), "a refusal without its retry-after hint"
+    assert refusals["http"] and refusals["grpc"], results  # the fillers held the queue full meanwhile
+    assert health["peak"]["running"] <= MAX_RUNNING and health["peak"]["waiting"] <= MAX_WAITING, health
