@@ -53,3 +53,17 @@ def test_an_idle_engine_dies_at_once(loop: EngineLoop) -> None:
     while loop.alive and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not loop.alive and isinstance(loop.error, InjectedFault)
+
+
+def test_the_router_takes_a_dead_engine_for_a_dead_worker() -> None:
+    """So a request on it is migrated (or ends retriable), not failed as a bad request."""
+    from ray.exceptions import RayTaskError
+
+    from router.actor import _worker_died
+
+    died = EngineDied("engine failed: InjectedFault('engine_crash')")
+    assert _worker_died(RayTaskError("generate", "tb", died))
+    assert _worker_died(RayTaskError("generate", "tb", died).as_instanceof_cause())
+    assert _worker_died(RayTaskError("generate", "tb", RayTaskError("push", "tb", died)))
+    assert not _worker_died(RayTaskError("generate", "tb", ValueError("max_tokens: too many")))
+    assert not _worker_died(ValueError("max_tokens: too many"))
