@@ -157,6 +157,7 @@ class ClusterBackend:
         index = status["index"]  # Redis down only degrades routing: still healthy
         details = {"workers": {role: live[role] for role in self.roles},
                    "running": status["running"], "waiting": status["waiting"],
+                   "peak": {"running": status["peak"]["running"], "waiting": status["peak"]["waiting"]},
                    "prefix_index": "ok" if index["available"] else f"unavailable ({index['error']})"}
         missing = [role for role in self.roles if not live[role]]
         if missing:

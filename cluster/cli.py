@@ -40,8 +40,10 @@ prompts file (JSONL, one request a line; outputs come back in input order):
 SERVE_EPILOG = """\
 Starts a local Ray (or joins one with --ray-address), an embedded redis-server on 127.0.0.1
 (unless --redis-url), the router and the workers, then serves until Ctrl-C or SIGTERM, which
-drain requests in flight and exit 0. Settings come from --config (YAML, the same fields as
-the flags; see cluster.example.yaml), then from the flags, which win. The resolved config is
+drain requests in flight and exit 0. If the router actor, or a local Ray's GCS or raylet, dies
+meanwhile it says which, stops everything and exits 3 (a dead embedded redis-server is started
+again: Redis holds hints only; a dead worker is replaced). Settings come from --config (YAML,
+the same fields as the flags; see cluster.example.yaml), then from the flags, which win. The resolved config is
 printed first; the line 'Brigade serving ... at http://HOST:PORT/v1' says it is ready.
 
 examples:

@@ -143,6 +143,12 @@ class EmbeddedRedis:
         self.stop()
         raise RedisServerError(f"{self.binary} (port {self.port}) {why}; its output:\n{output or '(none)'}")
 
+    def restart(self) -> EmbeddedRedis:
+        """Start a server that died (or was stopped) again on the same port, so clients keep their URL."""
+        self.stop()
+        self._fixed_port = self.port
+        return self.start(attempts=1)
+
     def stop(self) -> None:
         if self._finalizer is not None:
             self._finalizer()  # runs _terminate once; later calls do nothing

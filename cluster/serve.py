@@ -7,6 +7,8 @@ Ray and the actors (each worker registers its own lease in Redis and publishes i
 events there). Then it serves until SIGINT or SIGTERM, and drains: /health answers 503 and
 gRPC health NOT_SERVING, new requests are refused, requests in flight (on both doors at once)
 get DRAIN_S to finish, and everything started here stops in reverse order. Exit code 0.
+While serving it watches what it started (cluster/watchdog.py): when the router actor or a
+local Ray's GCS or raylet dies it says so, stops everything and exits EXIT_FAILED (3).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from router.http_api import ApiServer, TLSSetupError
 from router.metrics import FrontDoorMetrics
 
 DRAIN_S = 30.0  # how long a stop waits for requests in flight
+WATCH_INTERVAL_S = 1.0  # how often the parts serve started are checked (cluster/watchdog.py)
 
 
 class _Stop(BaseException):
@@ -70,6 +73,7 @@ def run(args, cfg: ClusterConfig) -> int:
     signals = _Signals().install()
     services = _Services()
     stopping = False  # a stop was asked for (rather than an error): say when it is done
+    leftovers = None  # after a fatal failure: the processes to be sure are gone at the end
     try:
         try:
             services.start(cfg, signals, redis_url)
@@ -86,8 +90,15 @@ def run(args, cfg: ClusterConfig) -> int:
                    else f"{cfg.num_prefill} prefill, {cfg.decode} decode")
         grpc_at = f" and grpc://{grpc_server.address}" if grpc_server is not None else ""
         print(f"Brigade serving {cfg.model} at {server.url}/v1{grpc_at} ({workers}, {cfg.mode})", flush=True)
-        while not signals.stop.wait(0.5):
-            pass
+        from cluster.watchdog import EXIT_FAILED, Watchdog, descendants  # imports ray, as the services did
+
+        watchdog = Watchdog(services, local_ray=not cfg.ray_address)
+        while not signals.stop.wait(WATCH_INTERVAL_S):
+            failure = watchdog.check()
+            if failure is not None:  # nothing to drain: requests cannot finish without what died
+                print(f"error: {failure}; stopping (exit code {EXIT_FAILED})", file=sys.stderr, flush=True)
+                leftovers = descendants()
+                return EXIT_FAILED
         stopping = True
         grpc_drained = grpc_server.begin_drain(DRAIN_S) if grpc_server is not None else None
         _drain(server)
@@ -101,6 +112,10 @@ def run(args, cfg: ClusterConfig) -> int:
             grpc_server.close()
         server.server_close()
         services.stop()
+        if leftovers is not None:
+            from cluster.watchdog import stop_leftovers
+
+            stop_leftovers(leftovers)
         if stopping:
             print("stopped", file=sys.stderr, flush=True)
 

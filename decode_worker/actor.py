@@ -10,6 +10,7 @@ import ray
 
 from decode_worker.worker import DecodeWorker
 from engine import EngineConfig, Role
+from engine.faults import FaultInjector
 from kv_transfer import KVTransferError, TransferConfig
 from router.config import IndexLink
 from router.streams import OutputStream
@@ -26,6 +27,7 @@ class DecodeActor:
         self.worker = DecodeWorker(worker_id, engine_cfg, transfer_cfg, role, index)
         self.streams: dict[str, OutputStream] = {}  # requests streaming from here, for abort()
         self.ranks: list = []  # a tensor-parallel worker's other ranks (decode_worker.group.RankActor)
+        self.faults = FaultInjector.from_env(self.worker.loop)  # chaos tests only
 
     async def attach_ranks(self, ranks: list) -> None:
         """Ranks 1..k-1 of this tensor-parallel worker: each receives its own KV heads."""
@@ -109,6 +111,10 @@ class DecodeActor:
         out = await asyncio.to_thread(self.worker.abort, request_id)
         if stream is not None:
             stream.end_aborted(request_id, out)
+
+    async def inject_fault(self, kind: str) -> None:
+        """Chaos tests only: refused unless the worker started with BRIGADE_FAULT_INJECTION=1 (engine/faults.py)."""
+        self.faults.inject(kind)
 
     async def health(self) -> dict:
         return self.worker.health()

@@ -20,12 +20,19 @@ T = TypeVar("T")
 Sink = Callable[[RequestOutput | BaseException], None]
 
 
+class EngineDied(RuntimeError):
+    """The loop stopped on an exception in a step: every request it held failed with this, and
+    so does every later call. Callers treat it as a dead worker (the router migrates the request)."""
+
+
 class EngineLoop:
     def __init__(self, engine: LLMEngine, name: str = "engine-loop"):
         self.engine = engine
         self.error: BaseException | None = None  # set when a step failed: the engine is dead
         self._inbox: queue.Queue[tuple[Callable, Future]] = queue.Queue()
         self._sinks: dict[str, Sink] = {}  # loop thread only
+        self._fault: Exception | None = None  # fail_next_step(): raised by the next step
+        self._dying = threading.Lock()  # call() never queues after the loop stopped taking calls
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -49,11 +56,17 @@ class EngineLoop:
     def call(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
         """Run fn(engine) on the loop thread before its next step."""
         fut: Future[T] = Future()
-        if self.error is not None:
-            fut.set_exception(RuntimeError(f"engine failed: {self.error!r}"))
-        else:
-            self._inbox.put((fn, fut))
+        with self._dying:
+            if self.error is not None:
+                fut.set_exception(self._died())
+            else:
+                self._inbox.put((fn, fut))
         return fut
+
+    def fail_next_step(self, exc: Exception) -> None:
+        """Chaos tests only (engine/faults.py): the next step raises `exc`, even with nothing to
+        run, so the engine dies by the same path as a real failed step."""
+        self._fault = exc
 
     def watch_now(self, request_id: str, sink: Sink) -> None:
         """Deliver a request's outputs to `sink` until it finishes or its KV is ready. For code
@@ -85,8 +98,13 @@ class EngineLoop:
                     self._run_call(*self._inbox.get_nowait())
             except queue.Empty:
                 pass
-            if self.engine.has_unfinished():
+            if self.engine.has_unfinished() or self._fault is not None:
                 self._step()
+        if self.error is not None:  # calls queued before the failure would otherwise wait forever
+            while not self._inbox.empty():
+                _, fut = self._inbox.get_nowait()
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(self._died())
 
     def _run_call(self, fn: Callable, fut: Future) -> None:
         if not fut.set_running_or_notify_cancel():
@@ -100,12 +118,16 @@ class EngineLoop:
 
     def _step(self) -> None:
         try:
+            if self._fault is not None:
+                fault, self._fault = self._fault, None
+                raise fault
             outputs = self.engine.step()
         except Exception as exc:  # fail every in-flight request rather than hang its caller
             traceback.print_exc()
-            self.error = exc
+            with self._dying:
+                self.error = exc
             for sink in self._sinks.values():
-                sink(exc)
+                sink(self._died())
             self._sinks.clear()
             self._stop.set()
             return
@@ -114,3 +136,8 @@ class EngineLoop:
             sink = self._sinks.pop(out.request_id, None) if done else self._sinks.get(out.request_id)
             if sink is not None:
                 sink(out)
+
+    def _died(self) -> EngineDied:
+        died = EngineDied(f"engine failed: {self.error!r}")
+        died.__cause__ = self.error
+        return died

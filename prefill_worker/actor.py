@@ -6,6 +6,7 @@ import asyncio
 import ray
 
 from engine import EngineConfig
+from engine.faults import FaultInjector
 from kv_transfer import TransferConfig
 from prefill_worker.worker import PrefillWorker
 from router.config import IndexLink
@@ -18,6 +19,7 @@ class PrefillActor:
                  index: IndexLink | None = None):
         transfer_cfg = transfer_cfg.on_node(ray.util.get_node_ip_address())
         self.worker = PrefillWorker(worker_id, engine_cfg, transfer_cfg, index)
+        self.faults = FaultInjector.from_env(self.worker.loop)  # chaos tests only
 
     async def prefill(self, req: GenerateRequest) -> PrefillResult:
         return await asyncio.wrap_future(self.worker.prefill(req))
@@ -33,6 +35,10 @@ class PrefillActor:
 
     async def corrupt_next_payload(self, decode_id: str) -> None:
         self.worker.corrupt_next_payload(decode_id)
+
+    async def inject_fault(self, kind: str) -> None:
+        """Chaos tests only: refused unless the worker started with BRIGADE_FAULT_INJECTION=1 (engine/faults.py)."""
+        self.faults.inject(kind)
 
     async def health(self) -> dict:
         return self.worker.health()

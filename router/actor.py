@@ -4,8 +4,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import ray
-from ray.exceptions import ObjectLostError, RayActorError
+from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
 
+from engine.engine_loop import EngineDied
 from router.config import IndexLink, RouterConfig
 from router.index_view import IndexView
 from router.router import Router
@@ -51,6 +52,8 @@ class RouterActor:
 
 
 def _worker_died(exc: BaseException) -> bool:
-    """A worker call failed because the worker is gone (killed, crashed, its node lost), not
-    because of the request: the router migrates the request to another worker."""
-    return isinstance(exc, (RayActorError, ObjectLostError))
+    """A worker call failed because the worker is gone (killed, crashed, its node lost, its
+    engine dead), not because of the request: the router migrates the request to another worker."""
+    while isinstance(exc, RayTaskError) and exc.cause is not None and exc.cause is not exc:
+        exc = exc.cause  # a worker's own exception, as Ray hands it on
+    return isinstance(exc, (RayActorError, ObjectLostError, EngineDied))

@@ -124,6 +124,9 @@ class ApiServer(ThreadingHTTPServer):
     and `auth` are the serve process's, shared with the gRPC door."""
 
     daemon_threads = True
+    # socketserver's default listen backlog of 5 resets a burst's connections before any handler
+    # sees them; with room to queue, each gets its answer (429 when the router is full).
+    request_queue_size = 1024
 
     def __init__(self, host: str, port: int, frontdoor: FrontDoorConfig = FrontDoorConfig(),
                  metrics: FrontDoorMetrics | None = None, auth: Authenticator | None = None):

@@ -72,6 +72,7 @@ class Router:
         self.waiting = 0
         self.waiting_tokens = 0  # prompt tokens of the waiting requests
         self.running = 0
+        self.peak = {"waiting": 0, "waiting_tokens": 0, "running": 0}  # high-water marks since start
         self._slots = asyncio.Semaphore(cfg.max_running)
         # request id -> (prefill, decode, the id the workers know it by: a migrated request's differs)
         self._active: dict[str, tuple[WorkerRef | None, WorkerRef | None, str]] = {}
@@ -182,12 +183,14 @@ class Router:
         arrived = time.monotonic()
         self.waiting += 1
         self.waiting_tokens += n
+        self._note_peak()
         try:
             await self._slots.acquire()
         finally:
             self.waiting -= 1
             self.waiting_tokens -= n
         self.running += 1
+        self._note_peak()
         timing = Timing(queue_s=time.monotonic() - arrived)
         try:
             source = self._migrating(req, timing)
@@ -208,6 +211,10 @@ class Router:
             self._slots.release()
             self._active.pop(req.request_id, None)
             self._aborted.discard(req.request_id)
+
+    def _note_peak(self) -> None:
+        for name in self.peak:
+            self.peak[name] = max(self.peak[name], getattr(self, name))
 
     async def _migrating(self, req: GenerateRequest, timing: Timing):
         """The request's chunks; when a worker dies under it, the rest comes from a continuation
@@ -429,7 +436,7 @@ class Router:
 
     def status(self) -> dict:
         return {"waiting": self.waiting, "running": self.running, "colocated": self.colocated,
-                "waiting_tokens": self.waiting_tokens,
+                "waiting_tokens": self.waiting_tokens, "peak": dict(self.peak),
                 "policy": self.cfg.policy, "kv_picks": dict(self.kv_picks),
                 "index": self.index.status() if self.index is not None else {"available": False, "error": "no Redis"},
                 "workers": {w.worker_id: {"role": w.role, "healthy": w.healthy, "inflight": w.inflight,

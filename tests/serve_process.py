@@ -32,14 +32,17 @@ class Served:
 
 
 @contextlib.contextmanager
-def brigade_serve(flags: list[str], log: Path, timeout_s: float = 180.0) -> Iterator[Served]:
-    """Start `brigade serve FLAGS`, wait for its ready line, and stop it with SIGTERM after."""
+def brigade_serve(flags: list[str], log: Path, timeout_s: float = 180.0,
+                  env: dict[str, str] | None = None) -> Iterator[Served]:
+    """Start `brigade serve FLAGS` (with `env` added to ours), wait for its ready line, and stop it
+    with SIGTERM after."""
     from engine.presets import materialize
 
     materialize("tiny")  # once here, rather than raced by the server and a reference engine
     with log.open("w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", *flags], cwd=ROOT,
-                                env={**os.environ, **RAY_ENV}, stdout=subprocess.PIPE, stderr=err, text=True)
+                                env={**os.environ, **RAY_ENV, **(env or {})}, stdout=subprocess.PIPE, stderr=err,
+                                text=True)
     out: list[str] = []
     try:
         deadline = time.monotonic() + timeout_s
@@ -58,3 +61,29 @@ def brigade_serve(flags: list[str], log: Path, timeout_s: float = 180.0) -> Iter
                 proc.kill()
                 proc.wait()
         print(log.read_text()[-5000:], file=sys.stderr)  # pytest shows it on failure
+
+
+def serve_processes(served: Served) -> list:
+    """The serve process and everything under it (Ray's daemons and workers, redis-server)."""
+    import psutil
+
+    root = psutil.Process(served.proc.pid)
+    return [root, *root.children(recursive=True)]
+
+
+def find_process(served: Served, name: str):
+    """The one process under `served` called `name` (e.g. "raylet", "redis-server", or a Ray
+    actor's title "ray::RouterActor")."""
+    def title(p) -> str:  # a Ray worker's title is "ray::Class" or "ray::Class.method" while it runs one
+        words = " ".join(p.cmdline()).split()
+        return words[0].split(".")[0] if words and words[0].startswith("ray::") else p.name()
+
+    found = [p for p in serve_processes(served) if title(p) == name]
+    assert len(found) == 1, (name, found)
+    return found[0]
+
+
+def ray_address(served: Served) -> str:
+    """The GCS address of the Ray that `served` started, from its raylet's command line."""
+    raylet = find_process(served, "raylet")
+    return next(a.split("=", 1)[1] for a in raylet.cmdline() if a.startswith("--gcs-address="))

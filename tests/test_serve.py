@@ -124,7 +124,9 @@ def _idle_health(base: str, timeout_s: float = 10.0) -> tuple[int, dict]:
 
 
 def test_completions_match_the_single_process_engine(server: Served, reference) -> None:
-    assert _idle_health(server.http_base) == (200, {
+    status, health = _idle_health(server.http_base)
+    health.pop("peak")  # the router's high-water marks, checked below
+    assert (status, health) == (200, {
         "status": "ok", "workers": {"prefill": 1, "decode": 1}, "running": 0, "waiting": 0, "prefix_index": "ok"})
     status, models, _ = _request(f"{server.http_base}/v1/models")
     assert status == 200 and models["data"][0]["id"] == "tiny"
@@ -147,6 +149,8 @@ def test_completions_match_the_single_process_engine(server: Served, reference) 
         assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert usage == done["usage"]
+    peak = _request(f"{server.http_base}/health")[1]["peak"]
+    assert peak["running"] >= 1 and 0 <= peak["waiting"] <= ClusterConfig().router.max_waiting, peak
 
 
 def test_bad_requests_get_openai_errors(server: Served) -> None:
