@@ -7,8 +7,9 @@ leader reports itself down and the router stops routing to the group; the superv
 the group down as a unit and starts a fresh one, which serves the fault-free tokens. No
 stream may hang or fail: the leader's engine dies with the group (EngineDied), which the
 router treats like a dead worker, so each stream ends completed with the fault-free tokens
-(on the other group, or migrated there) or retriable with the count of tokens it got. The figure: seconds from the kill until the leader is down, until the group is
-replaced, until the new group has served a request; the streams' outcomes.
+(on the other group, or migrated there) or retriable with the count of tokens it got.
+The figure: seconds from the kill until the leader is down, until the group is replaced,
+until the new group has served a request; the streams' outcomes.
 """
 from __future__ import annotations
 

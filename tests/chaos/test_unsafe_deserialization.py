@@ -257,3 +257,41 @@ def test_a_hostile_config_file_is_refused_unrun(text: str, tmp_path: Path, marke
     assert exc.value.code == 2
     assert capsys.readouterr().err.startswith("error:")
     assert not marker.exists()
+
+
+def test_a_hostile_model_directory_runs_no_code(tmp_path: Path, marker: Path, payload: bytes) -> None:
+    """A checkpoint directory is data: `auto_map` with a modeling file, a pickled
+    pytorch_model.bin and a chat template reaching for Python internals are all ignored or
+    refused, and the safetensors weights give the same tokens as a clean copy."""
+    import shutil
+
+    from helpers import save_hf_model
+
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine.loader import CheckpointError
+    from engine.tokenizer import Tokenizer, chat_token_ids
+
+    clean = save_hf_model("qwen3", tmp_path / "clean")
+    hostile = tmp_path / "hostile"
+    shutil.copytree(clean, hostile)
+    config = json.loads((hostile / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "modeling_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.Evil"}
+    (hostile / "config.json").write_text(json.dumps(config))
+    (hostile / "modeling_evil.py").write_text(f"open({str(marker)!r}, 'w')\n")
+    (hostile / "pytorch_model.bin").write_bytes(payload)
+    shutil.copy(ROOT / "engine/assets/tokenizers/bpe-4k/tokenizer.json", hostile)
+    (hostile / "tokenizer_config.json").write_text(json.dumps({"chat_template": (
+        "{{ cycler.__init__.__globals__.os.popen('touch " + str(marker) + "').read() }}")}))
+    with pytest.raises(Exception, match="unsafe|not safely|access"):  # jinja2's sandbox
+        chat_token_ids(Tokenizer.from_dir(hostile), [{"role": "user", "content": "hi"}])
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompt = [[5, 17, 42, 99, 3]]
+    tokens = [LLMEngine(EngineConfig(model=str(d), num_threads=1)).generate(prompt, params)[0].token_ids
+              for d in (clean, hostile)]
+    assert tokens[0] == tokens[1]
+
+    (hostile / "model.safetensors").unlink()  # only the pickle is left: refused, not loaded
+    with pytest.raises(CheckpointError, match="safetensors"):
+        LLMEngine(EngineConfig(model=str(hostile), num_threads=1))
+    assert not marker.exists()
