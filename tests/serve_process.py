@@ -74,9 +74,14 @@ def serve_processes(served: Served) -> list:
 def find_process(served: Served, name: str):
     """The one process under `served` called `name` (e.g. "raylet", "redis-server", or a Ray
     actor's title "ray::RouterActor")."""
+    import psutil
+
     def title(p) -> str:  # a Ray worker's title is "ray::Class" or "ray::Class.method" while it runs one
-        words = " ".join(p.cmdline()).split()
-        return words[0].split(".")[0] if words and words[0].startswith("ray::") else p.name()
+        try:
+            words = " ".join(p.cmdline()).split()
+            return words[0].split(".")[0] if words and words[0].startswith("ray::") else p.name()
+        except psutil.Error:  # exited (or a zombie) since the listing
+            return ""
 
     found = [p for p in serve_processes(served) if title(p) == name]
     assert len(found) == 1, (name, found)
