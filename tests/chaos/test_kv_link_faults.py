@@ -284,14 +284,15 @@ def test_link_faults_under_real_workers_never_change_the_tokens(proxied_workers,
         proxy.arm(fault)
         tokens, recomputed = serve_one(prefill, decode, f"x-{i}", prompts[i])
         proxy.arm(None)
-        assert tokens == reference[i], f"{name}: tokens differ"
         broken = prefill.channels[decode.worker_id].broken or decode.channels[prefill.worker_id].broken
-        results[name] = {"recomputed": recomputed, "pair_broken": broken}
+        results[name] = {"recomputed": recomputed, "pair_broken": broken, "identical": tokens == reference[i]}
         if broken:  # what the router does when the workers report it (tested on a cluster below)
             prefill.disconnect(decode.worker_id), decode.drop_channel(prefill.worker_id)
             proxy = pair_up()
+    wrong = [name for name, r in results.items() if not r["identical"]]
     print(f"\nlink faults under real workers: {results}")
-    chaos_figure("kv_link_faults_tokens", {"wrong_outputs": 0}, {"wrong_outputs": "== 0"}, faults=results)
+    chaos_figure("kv_link_faults_tokens", {"wrong_outputs": len(wrong)}, {"wrong_outputs": "== 0"}, faults=results)
+    assert not wrong, f"tokens differ from a single engine's under: {wrong}"
     assert not results["none"]["recomputed"] and not results["delay_within_timeout"]["recomputed"]
     assert results["reset"]["recomputed"] and results["flip"]["recomputed"]
     assert decode.stats()["free_blocks"] == decode.stats()["num_blocks"]
