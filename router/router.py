@@ -265,22 +265,12 @@ class Router:
         self._active[key] = (None, worker, req.request_id)
         worker.inflight += 1
         worker.queued_tokens += queued
-        finished = False
         try:
-            try:
-                async for ref in worker.handle.generate_local.remote(req):
-                    chunk = await ref
-                    if queued and (chunk.token_ids or chunk.finished):  # the prompt is computed
-                        worker.queued_tokens -= queued
-                        queued = 0
-                    finished = chunk.finished
-                    yield chunk, None, worker
-            except Exception as exc:
-                if key in self._aborted or not self.worker_died(exc):
-                    raise
-                raise _WorkerLost(worker.worker_id) from exc
-            if not finished:
-                raise _WorkerLost(worker.worker_id)
+            async for chunk in self._from_worker(worker, worker.handle.generate_local.remote(req), key):
+                if queued and (chunk.token_ids or chunk.finished):  # the prompt is computed
+                    worker.queued_tokens -= queued
+                    queued = 0
+                yield chunk, None, worker
         finally:
             worker.inflight -= 1
             worker.queued_tokens -= queued
@@ -293,7 +283,7 @@ class Router:
         prefill.inflight += 1  # counted from the pick on, so concurrent requests spread out
         prefill.queued_tokens += queued
         self._active[key] = (prefill, None, rid)
-        prefilling, decode, finished = True, None, False
+        prefilling, decode = True, None
         try:
             # max_tokens 1: the prefill worker's first token is the whole answer, so no decode
             # worker is needed (nor a reservation that would hold its blocks through the prefill).
@@ -326,26 +316,35 @@ class Router:
             prefill.inflight -= 1
             prefill.queued_tokens -= queued
             prefilling = False
-            try:
-                async for ref in decode.handle.generate.remote(req, first, prefill.worker_id, prefill.handle):
-                    chunk = await ref
-                    if chunk.timing is not None:  # the decode worker's transfer report
-                        timing.transfer_s, timing.transfer_bytes = chunk.timing.transfer_s, chunk.timing.transfer_bytes
-                        timing.recomputed = chunk.timing.recomputed
-                    finished = chunk.finished
-                    yield chunk, prefill, decode
-            except Exception as exc:
-                if key in self._aborted or not self.worker_died(exc):
-                    raise
-                raise _WorkerLost(decode.worker_id) from exc
-            if not finished:
-                raise _WorkerLost(decode.worker_id)
+            stream = decode.handle.generate.remote(req, first, prefill.worker_id, prefill.handle)
+            async for chunk in self._from_worker(decode, stream, key):
+                if chunk.timing is not None:  # the decode worker's transfer report
+                    timing.transfer_s, timing.transfer_bytes = chunk.timing.transfer_s, chunk.timing.transfer_bytes
+                    timing.recomputed = chunk.timing.recomputed
+                yield chunk, prefill, decode
         finally:
             if prefilling:
                 prefill.inflight -= 1
                 prefill.queued_tokens -= queued
             if decode is not None:
                 decode.inflight -= 1
+
+    async def _from_worker(self, worker: WorkerRef, stream, key: str):
+        """The chunks of `worker`'s stream (Ray refs). Its death under the request, or a stream
+        that ends without a last chunk, raises _WorkerLost (the request migrates); any other
+        error, or any error once the request is aborted, is the request's own and passes on."""
+        finished = False
+        try:
+            async for ref in stream:
+                chunk = await ref
+                finished = chunk.finished
+                yield chunk
+        except Exception as exc:
+            if key in self._aborted or not self.worker_died(exc):
+                raise
+            raise _WorkerLost(worker.worker_id) from exc
+        if not finished:
+            raise _WorkerLost(worker.worker_id)
 
     async def _reserve(self, req: GenerateRequest, prefill: WorkerRef, avoid: set[str] = frozenset()):
         """A decode worker connected to `prefill` (and not in `avoid`) with blocks for the

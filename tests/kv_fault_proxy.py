@@ -54,7 +54,6 @@ class FaultProxy:
         self._passed = {TO_SERVER: 0, TO_CLIENT: 0}  # bytes since the fault was armed
         self.total = {TO_SERVER: 0, TO_CLIENT: 0}
         self.connections = 0
-        self.fired: list[str] = []  # kinds of the faults that took effect, in order
         self._sockets: list[socket.socket] = []
         self._closed = False
         threading.Thread(target=self._accept, daemon=True, name="fault-proxy").start()
@@ -127,13 +126,12 @@ class FaultProxy:
             start = self._passed[direction]
             self._passed[direction] += len(data)
             self.total[direction] += len(data)
-            if f is None or self.direction(f.from_rank) != direction or start + len(data) <= f.at and f.kind != "delay":
+            if f is None or self.direction(f.from_rank) != direction or start + len(data) <= f.at:
                 return None, bytes(data), None
-            if f.kind == "delay":
-                return ("delay", bytes(data), f.delay_s) if start + len(data) > f.at else (None, bytes(data), None)
+            if f.kind == "delay":  # every chunk from the offset on
+                return "delay", bytes(data), f.delay_s
             cut = max(0, f.at - start)  # offset of the fault inside this chunk
             self._fault = None  # the other kinds fire once
-            self.fired.append(f.kind)
         if f.kind == "flip":
             data[cut] ^= f.mask
             return "flip", bytes(data), None
@@ -221,13 +219,10 @@ class ProxiedStore(dist.Store):
         value = bytes(self.inner.get(key))
         return value if value in self._own else self._rewrite(value)
 
-    def _ports(self, value: bytes) -> list[int]:
-        return sockaddr_port_offsets(value, self.host)
-
     def _rewrite(self, value: bytes) -> bytes:
         own = {port for v in self._own for port in gloo_ports(v, self.host)}
         out = bytearray(value)
-        for i in self._ports(value):
+        for i in sockaddr_port_offsets(value, self.host):
             port = int.from_bytes(out[i:i + 2], "big")
             # Same side of each of our own ports as the peer's real one, in gloo's order.
             same_side = [p for p in range(20000, 65000)
@@ -236,7 +231,6 @@ class ProxiedStore(dist.Store):
             self.proxies.append(proxy)
             out[i:i + 2] = proxy.port.to_bytes(2, "big")
         return bytes(out)
-
 
     # the rest of the Store interface, unchanged
     def add(self, key, n):

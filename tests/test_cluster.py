@@ -103,13 +103,18 @@ def disaggregate(prefill: PrefillWorker, decode: DecodeWorker, rid: str, prompt:
     outs: queue.Queue = queue.Queue()
     decode.start(rid, prompt, first.first_token_id, params, first.usage.cached_tokens, first.first_logprobs,
                  outs.put).result(timeout=30)
-    tokens = [first.first_token_id]
+    return [first.first_token_id, *sink_tokens(outs)], nbytes
+
+
+def sink_tokens(outs: queue.Queue) -> list[int]:
+    """The token ids a worker's sink put on `outs`, up to its finished output (none may be an error)."""
+    tokens: list[int] = []
     while True:
         out = outs.get(timeout=30)
         assert not isinstance(out, BaseException), out
         tokens += out.new_token_ids
         if out.finished:
-            return tokens, nbytes
+            return tokens
 
 
 @pytest.mark.timeout(120)
