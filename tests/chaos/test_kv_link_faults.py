@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from kv_fault_proxy import Fault, ProxiedStore, gloo_ports, proxied_pair
 from ray_processes import actor_processes
-from test_cluster import sink_tokens
+from test_cluster import sink_tokens, wait_for
 
 from cluster.config import ClusterConfig
 from cluster.launch import launch, start_ray
@@ -374,10 +374,7 @@ def test_a_reset_kv_link_is_recomputed_around_and_the_pair_rebuilt(cluster, chao
     assert tokens == reference[1] and last.timing.recomputed
 
     # The workers report the broken pair; the router closes both ends and pairs them again.
-    deadline = time.monotonic() + 30
-    while not kv_link_connections_or_none(cluster, pair=2):
-        assert time.monotonic() < deadline, "the pair was not rebuilt"
-        time.sleep(0.1)
+    wait_for(lambda: kv_link_connections_or_none(cluster, pair=2), 30, "the pair rebuilt")
     rebuilt_s = time.monotonic() - failed_at
     tokens, last = generate(cluster, "link-2", prompts[2])
     assert tokens == reference[2] and not last.timing.recomputed
