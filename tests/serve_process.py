@@ -32,9 +32,11 @@ class Served:
 
 
 # ray.init inside serve now and then fails to bootstrap its own daemons on a loaded 2-core
-# machine (the GCS answers no "node info" in time; the dashboard process aborts). serve then
-# exits 1 saying so, as it should; the tests start it once more rather than fail on Ray's start.
-RAY_BOOTSTRAP_FAILURES = ("Failed to get node info", "Failed to start the dashboard")
+# machine (the GCS writes no port file or answers no "node info" in time; the dashboard
+# process aborts). serve then exits 1 saying so, as it should; the tests start it once more
+# rather than fail on Ray's start.
+RAY_BOOTSTRAP_FAILURES = ("Failed to get node info", "Failed to start the dashboard",
+                          "Timed out waiting for file")
 
 
 @contextlib.contextmanager
