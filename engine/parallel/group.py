@@ -1,13 +1,21 @@
 """A process group of one engine's ranks, built directly on a store (never the global default
 group, so a process may hold several and tear one down without touching the others).
 
-gloo for CPU tensors, NCCL for CUDA ones. Every collective waits at most `timeout_s`; a rank
-that died makes the others fail with GroupFailed instead of hanging.
+gloo for CPU tensors, NCCL for CUDA ones. A rank that died makes the others fail with
+GroupFailed instead of hanging, within `timeout_s`: the bound is the process group's own
+timeout, never a timed host wait. (A timed `Work.wait` makes NCCL's host poll the work with
+1 ms sleeps, so every all-reduce of a forward pass would cost at least a millisecond; an
+untimed one only orders the current stream after the collective.) NCCL is built with the
+"clean up only" error policy: its watchdog aborts the communicators of a collective past the
+timeout, and the next collective (the keepalive's, if nothing else) raises, where NCCL's
+default policy would kill the surviving process.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from urllib.parse import urlparse
 
@@ -15,6 +23,10 @@ import torch
 import torch.distributed as dist
 
 from engine.parallel.config import ParallelConfig
+
+# TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (CleanUpOnly): on a timeout or an error the watchdog
+# aborts the communicators and records the error; the process lives on.
+NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
 
 
 class GroupFailed(RuntimeError):
@@ -54,7 +66,8 @@ class Group:
                 raise ValueError("parallel.backend nccl needs a CUDA device and a torch build with NCCL")
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
-            pg = dist.ProcessGroupNCCL(store, cfg.rank, cfg.world_size, opts)
+            with _env(*NCCL_ERROR_HANDLING):  # read once, by the constructor
+                pg = dist.ProcessGroupNCCL(store, cfg.rank, cfg.world_size, opts)
         else:
             if device.type != "cpu":
                 raise ValueError(f"parallel.backend gloo runs on CPU tensors, the device is {device}")
@@ -98,24 +111,44 @@ class Group:
         self.all_reduce(torch.zeros(1, device=self.device))
 
     def _run(self, post: Callable[[], dist.Work], what: str) -> None:
-        """Post one collective and wait for it, at most timeout_s."""
+        """Post one collective and wait for it without a host timeout (see the module doc):
+        gloo returns when the collective is done or has failed past its own timeout; NCCL
+        returns at once, the current stream ordered after the collective (comm_s then counts
+        only the host's share)."""
         if self.closed:
             raise GroupFailed("the group is closed")
         start = time.perf_counter()
         try:
-            post().wait(timedelta(seconds=self.timeout_s))
+            work = post()
+            work.wait()
         except RuntimeError as e:
-            self.close()
+            self.close(failed=True)
             raise GroupFailed(f"{what} on rank {self.rank} of {self.size} failed: {e}") from e
         self.comm_s += time.perf_counter() - start
         self.comm_calls += 1
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Release the group. After a failure its communicators are aborted: a graceful
+        shutdown would wait for in-flight collectives that a dead peer never completes."""
         if self.closed:
             return
         self.closed = True
         try:
-            self.pg.shutdown()
+            self.pg.abort() if failed else self.pg.shutdown()
         except RuntimeError:
             pass  # already torn down by a peer failure
         self.pg = self._store = None
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    """Set one environment variable for the duration of the block, then restore it."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old

@@ -19,6 +19,7 @@ from engine.loader import (
     _destination,
     _targets,
     checkpoint_files,
+    materialise,
 )
 from engine.models import CausalLM
 from engine.models.layers import GatedMLP, RotaryEmbedding, SparseMoE
@@ -35,7 +36,7 @@ def load_parallel_model(path: Path, plan: ShardPlan, dtype: torch.dtype, device:
     with torch.device("meta"):
         model = CausalLM(local)
         parallelize(model, plan, group)
-    model = model.to_empty(device=device).to(dtype)
+    model = materialise(model, dtype, device)
     model.rotary = RotaryEmbedding(local.head_dim, local.max_position_embeddings, local.rope_theta,
                                    local.rope_scaling).to(device)
     params = dict(model.named_parameters(remove_duplicate=False))

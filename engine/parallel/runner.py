@@ -198,7 +198,7 @@ class ParallelModelRunner(ModelRunner):
                 raise  # the ranks agreed on it: still in step
             except BaseException as exc:
                 self.error = self.error or exc
-                self.group.close()  # a half-done op leaves the ranks out of step: never reuse
+                self.group.close(failed=True)  # a half-done op leaves the ranks out of step: never reuse
                 raise
             finally:
                 self._last_op = time.monotonic()
@@ -223,7 +223,7 @@ class ParallelModelRunner(ModelRunner):
             self.error = exc
             raise
         finally:
-            self.group.close()
+            self.group.close(failed=self.error is not None)
 
     def _follow_one(self) -> bool:
         header = self.group.broadcast(torch.empty(4, dtype=torch.long, device=self.device))
