@@ -8,6 +8,8 @@ PIP    := $(PY) -m pip
 # Installed before the project on machines without CUDA, so that pip resolves `torch>=2.4`
 # to this CPU build instead of downloading a multi-GB CUDA one.
 TORCH_CPU ?= torch==2.13.0
+# On CUDA machines pip takes PyPI's default (CUDA) build of the same release.
+TORCH_CUDA ?= torch==2.13.0
 HAS_CUDA  := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo yes)
 SUDO      := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
@@ -34,6 +36,8 @@ $(PY):
 $(VENV)/.stamp-serve: pyproject.toml client/pyproject.toml | $(PY)
 ifndef HAS_CUDA
 	$(PIP) install $(TORCH_CPU)
+else
+	$(PIP) install $(TORCH_CUDA)
 endif
 	$(PIP) install -e ./client
 	$(PIP) install -e .
