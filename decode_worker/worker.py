@@ -27,10 +27,10 @@ from kv_transfer import (
     HeadShard,
     KVLayout,
     KVTransferError,
+    ReceiveBuffers,
     ReceiverChannel,
     TransferConfig,
     TransferServer,
-    payload_view,
 )
 from kv_transfer.leases import LeaseSweeper
 from kv_transfer.reshard import shard_of
@@ -59,7 +59,7 @@ class DecodeWorker:
         self.server = TransferServer(transfer_cfg)
         self.channels: dict[str, ReceiverChannel] = {}  # by prefill worker id
         self.locks: dict[str, threading.Lock] = {}  # one transfer at a time per channel
-        self.buffers: dict[str, torch.Tensor] = {}  # per channel: a reused flat receive buffer
+        self.buffers = ReceiveBuffers(int(transfer_cfg.recv_buffer_mib * 2**20))  # per channel, capped
         self.reserved: dict[str, list[int]] = {}  # request id -> its reserved blocks
         self.reserved_at: dict[str, float] = {}
         self.pulling: set[str] = set()  # requests whose KV is being written into their blocks
@@ -82,7 +82,7 @@ class DecodeWorker:
         return channel.peer
 
     def drop_channel(self, prefill_id: str) -> None:
-        self.buffers.pop(prefill_id, None)
+        self.buffers.drop(prefill_id)
         channel = self.channels.pop(prefill_id, None)
         if channel is not None:
             channel.close()
@@ -164,13 +164,8 @@ class DecodeWorker:
             raise failure
 
     def _buffer(self, prefill_id: str, header) -> torch.Tensor:
-        """A receive buffer for this channel, reused across requests (no per-request allocation)."""
-        buf = self.buffers.get(prefill_id)
-        if buf is None or buf.numel() < header.payload_nbytes:
-            buf = torch.empty(header.payload_nbytes, dtype=torch.uint8, 
-                               device=self.channels[prefill_id].link.payload_device)
-            self.buffers[prefill_id] = buf
-        return payload_view(buf, header)
+        """A receive buffer for this channel, reused across requests up to the cap."""
+        return self.buffers.view(prefill_id, header, self.channels[prefill_id].link.payload_device)
 
     def start(self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams,
               cached_tokens: int, first_logprobs: TokenLogprobs | None, sink: Sink,

@@ -38,6 +38,9 @@ class TransferConfig(BaseModel):
       (kv_transfer/leases.py), not only by the next request.
     backend: gloo moves CPU tensors; nccl moves CUDA tensors (the header and ack still go
       over a gloo group); auto picks nccl when CUDA and NCCL are available, else gloo.
+    recv_buffer_mib: the largest receive buffer a decode worker keeps per channel, reused
+      across requests; a bigger payload gets a buffer of its own, freed after the write
+      (kv_transfer/recv_buffers.py).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -48,6 +51,7 @@ class TransferConfig(BaseModel):
     connect_timeout_s: float = Field(60.0, gt=0.0)
     hold_timeout_s: float = Field(120.0, gt=0.0)
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+    recv_buffer_mib: float = Field(256.0, ge=0.0)
 
     @field_validator("host")
     @classmethod
