@@ -7,6 +7,7 @@ from engine.config import CacheConfig
 from engine.model_config import ModelConfig
 from engine.models import CausalLM
 from engine.models.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from engine.models.varlen_attention import default_kernel, varlen_metadata
 from engine.scheduler import ScheduledSeq
 
 
@@ -28,6 +29,8 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
+        # Not None: attention runs the whole batch in one varlen call per layer with this kernel.
+        self.varlen_kernel = default_kernel(device, dtype, model_cfg.head_dim)
         # Zeroed so padded decode slots hold finite values (masked, but NaN * 0 is NaN).
         self.kv_cache = torch.zeros(
             2, model_cfg.num_layers, num_blocks, block_size, model_cfg.num_kv_heads, model_cfg.head_dim,
@@ -86,6 +89,10 @@ class ModelRunner:
             if s.samples:
                 sample_rows.append(len(ids) - 1)
         meta = AttentionMetadata(slot_mapping=self._tensor(slots), block_size=bs, prefills=prefills)
+        if self.varlen_kernel is not None:
+            spans = [(s.num_new_tokens, s.seq.num_computed + s.num_new_tokens, s.seq.block_table) for s in batch]
+            meta.varlen = varlen_metadata(spans, bs, self.device, self.varlen_kernel)
+            return self._tensor(ids), self._tensor(pos), meta, self._tensor(sample_rows)
         meta.decodes = [self._decode_group(start, decode_tables[start:end], decode_lens[start:end])
                         for start, end in _groups(decode_lens)]
         return self._tensor(ids), self._tensor(pos), meta, self._tensor(sample_rows)

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from engine.models.varlen_attention import VarlenMetadata, varlen_attention
+
 
 @dataclass
 class PrefillSpan:
@@ -38,6 +40,7 @@ class AttentionMetadata:
     block_size: int
     decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
+    varlen: VarlenMetadata | None = None  # set: the whole batch in one varlen call instead
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -51,6 +54,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: (T, H, hd), k/v: (T, Hkv, hd) for the new tokens. Returns (T, H, hd)."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    if meta.varlen is not None:  # CUDA bfloat16/float16 (varlen_attention.py)
+        return varlen_attention(q, k_cache, v_cache, meta.varlen, scale)
     out = torch.empty_like(q)
     for group in meta.decodes:
         s = slice(group.start, group.start + group.block_tables.shape[0])
