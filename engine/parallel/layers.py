@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.grouped_moe import grouped_experts, use_grouped_mm
 from engine.models.layers import Linear, SparseMoE
 from engine.parallel.group import Group
 
@@ -71,6 +72,8 @@ class ParallelMoE(SparseMoE):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)  # (T, k), global expert ids
+        if use_grouped_mm(x):
+            return self.group.all_reduce(grouped_experts(x, weights, experts, self.w13, self.w2, self.first_expert))
         out = torch.zeros_like(x)
         for e in range(self.w13.shape[0]):
             tok, slot = (experts == self.first_expert + e).nonzero(as_tuple=True)
