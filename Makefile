@@ -21,7 +21,7 @@ PYTEST_ARGS ?=
 # Files starting with `_` are helpers, not benchmarks.
 BENCHES := $(filter-out benchmarks/_%,$(wildcard benchmarks/*.py))
 
-.PHONY: venv dev system-deps test serve lint bench proto clean distclean
+.PHONY: venv dev system-deps test serve lint bench gpu-wheels proto clean distclean
 
 venv: $(VENV)/.stamp-serve
 
@@ -79,6 +79,15 @@ bench: dev
 # Regenerate the committed gRPC stubs after editing client/proto/ (tests check they are fresh).
 proto: dev
 	$(PY) client/tools/gen_proto.py
+
+# Wheels the device check carries to a GPU machine that has torch but no pydantic (python
+# 3.12, no registry there): benchmarks/gpu_check.sh installs them from .whl/ with --no-index.
+GPU_WHEELS := pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
+	typing-extensions==4.16.0
+gpu-wheels: | $(PY)
+	$(PIP) download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	    -d .whl $(GPU_WHEELS)
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache

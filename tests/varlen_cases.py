@@ -58,28 +58,46 @@ def make_runner(device: torch.device, dtype: torch.dtype) -> ModelRunner:
     return ModelRunner(None, shape, NUM_BLOCKS, BLOCK, dtype, device)
 
 
+@dataclass
+class Inputs:
+    """One case's batch and tensors: a random pool holding every sequence's history, and the
+    batch's new q/k/v."""
+
+    runner: ModelRunner
+    batch: list[_Scheduled]
+    pool: torch.Tensor  # (2, NB, bs, Hkv, hd)
+    q: torch.Tensor  # (T, H, hd)
+    k: torch.Tensor  # (T, Hkv, hd)
+    v: torch.Tensor
+
+
+def make_inputs(case: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Inputs:
+    batch = make_batch(case, seed)
+    g = torch.Generator().manual_seed(seed)
+    t = sum(s.num_new_tokens for s in batch)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    return Inputs(make_runner(device, dtype), batch, rand(2, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM),
+                  rand(t, HEADS, HEAD_DIM), rand(t, KV_HEADS, HEAD_DIM), rand(t, KV_HEADS, HEAD_DIM))
+
+
+def attend(inputs: Inputs, kernel) -> torch.Tensor:
+    """Attention over the case through the varlen backend with `kernel`, or (None) the
+    reference path. Each call gets its own copy of the pool to write the new K/V into."""
+    inputs.runner.varlen_kernel = kernel
+    _, _, meta, _ = inputs.runner._prepare(inputs.batch)
+    assert (meta.varlen is not None) == (kernel is not None)
+    kv = inputs.pool.clone()
+    return paged_attention(inputs.q, inputs.k, inputs.v, kv[0], kv[1], meta, HEAD_DIM**-0.5)
+
+
 def attend_both_ways(case: str, device: torch.device, dtype: torch.dtype, kernel,
                      seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(varlen backend's output, reference output) on identical inputs: one random pool
-    holding every sequence's history, and the batch's new q/k/v. Each path gets its own copy
-    of the pool, so the new K/V each writes are its own."""
-    batch = make_batch(case, seed)
-    runner = make_runner(device, dtype)
-    g = torch.Generator().manual_seed(seed)
-    pool = torch.randn(2, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(device, dtype)
-    t = sum(s.num_new_tokens for s in batch)
-    q = torch.randn(t, HEADS, HEAD_DIM, generator=g).to(device, dtype)
-    k = torch.randn(t, KV_HEADS, HEAD_DIM, generator=g).to(device, dtype)
-    v = torch.randn(t, KV_HEADS, HEAD_DIM, generator=g).to(device, dtype)
-    scale = HEAD_DIM**-0.5
-    outs = []
-    for use in (kernel, None):
-        runner.varlen_kernel = use
-        _, _, meta, _ = runner._prepare(batch)
-        assert (meta.varlen is not None) == (use is not None)
-        kv = pool.clone()
-        outs.append(paged_attention(q, k, v, kv[0], kv[1], meta, scale))
-    return outs[0], outs[1]
+    """(varlen backend's output, reference output) on identical inputs."""
+    inputs = make_inputs(case, device, dtype, seed)
+    return attend(inputs, kernel), attend(inputs, None)
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
