@@ -8,7 +8,9 @@ timeout, never a timed host wait. (A timed `Work.wait` makes NCCL's host poll th
 untimed one only orders the current stream after the collective.) NCCL is built with the
 "clean up only" error policy: its watchdog aborts the communicators of a collective past the
 timeout, and the next collective (the keepalive's, if nothing else) raises, where NCCL's
-default policy would kill the surviving process.
+default policy would kill the surviving process. What the host read from an aborted
+collective is garbage: callers call check() after reading a result (the parallel runner
+does, after each step and each op header).
 """
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ class Group:
         # Seconds spent waiting in collectives (the transfer plus any wait for a slower rank),
         # and their count: benchmarks read these for the communication share of a step.
         self.comm_s, self.comm_calls = 0.0, 0
+        self._last: dist.Work | None = None  # the last collective posted, for check()
 
     @classmethod
     def create(cls, cfg: ParallelConfig, device: torch.device) -> Group:
@@ -121,11 +124,24 @@ class Group:
         try:
             work = post()
             work.wait()
+            self._last = work
         except RuntimeError as e:
             self.close(failed=True)
             raise GroupFailed(f"{what} on rank {self.rank} of {self.size} failed: {e}") from e
         self.comm_s += time.perf_counter() - start
         self.comm_calls += 1
+
+    def check(self) -> None:
+        """Call once the host has read a result of this group's collectives. On NCCL, what it
+        reads after the watchdog aborted a collective past its timeout is garbage, and only
+        the work's recorded error tells: GroupFailed then. (gloo's wait raised already.)"""
+        work = self._last
+        if self.device.type != "cuda" or work is None or self.closed:
+            return
+        error = work.exception()  # deprecated in torch, warns once; None while all is well
+        if error is not None:
+            self.close(failed=True)
+            raise GroupFailed(f"a collective on rank {self.rank} of {self.size} failed: {error}")
 
     def close(self, failed: bool = False) -> None:
         """Release the group. After a failure its communicators are aborted: a graceful

@@ -139,7 +139,11 @@ class ParallelModelRunner(ModelRunner):
     @torch.inference_mode()
     def run(self, batch) -> torch.Tensor:
         with self._op(Op.STEP, encode_batch(batch, self.block_size)):
-            return super().run(batch)
+            logits = super().run(batch)
+            if self.device.type == "cuda":  # the sampler would sync next: sync here and check first
+                torch.cuda.current_stream(self.device).synchronize()
+                self.group.check()
+            return logits
 
     def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
         """kv: (2, L, nb, bs, Hkv_total, hd), on rank 0; each rank receives and keeps its heads."""
@@ -226,9 +230,11 @@ class ParallelModelRunner(ModelRunner):
             self.group.close(failed=self.error is not None)
 
     def _follow_one(self) -> bool:
-        header = self.group.broadcast(torch.empty(4, dtype=torch.long, device=self.device))
-        op, n = Op(int(header[0])), int(header[1])
+        header = self.group.broadcast(torch.empty(4, dtype=torch.long, device=self.device)).tolist()
+        self.group.check()  # before trusting what the host just read
+        op, n = Op(header[0]), header[1]
         args = self.group.broadcast(torch.empty(n, dtype=torch.long, device=self.device)).tolist() if n else []
+        self.group.check()
         if op is Op.STEP:
             with torch.inference_mode():
                 ModelRunner.run(self, decode_batch(args))
@@ -280,7 +286,9 @@ class ParallelModelRunner(ModelRunner):
         except Exception as exc:  # this rank's transfer failed: report it, keep the group
             failed, self.last_local_error = 1, exc
         count = torch.tensor([failed], dtype=torch.long, device=self.device)
-        if int(self.group.all_reduce(count).item()) and self.is_leader:  # a follower just goes on
+        total = int(self.group.all_reduce(count).item())
+        self.group.check()
+        if total and self.is_leader:  # a follower just goes on
             raise LocalKVFailed(f"{int(count.item())} rank(s) failed to {what} their KV heads")
 
 
