@@ -15,17 +15,13 @@ smoke mode use it to check the metadata and the gather against the reference.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-try:  # torch >= 2.9; the signature changed between releases (see _flash_varlen)
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # pragma: no cover - older torch: the reference path everywhere
-    varlen_attn = None
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "VarlenMetadata", float], torch.Tensor]
 
@@ -78,11 +74,16 @@ def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return meta.kernel(q.contiguous(), keys, vals, meta, scale)
 
 
-def _varlen_params() -> frozenset[str]:
-    return frozenset(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else frozenset()
-
-
-_VARLEN_PARAMS = _varlen_params()
+@functools.cache
+def _varlen() -> tuple[Callable | None, frozenset[str]]:
+    """torch's varlen_attn and the names of its parameters, imported on first use (the module
+    pulls in torch._dynamo: seconds of import a CPU process never needs). (None, {}) before
+    torch 2.9."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, frozenset()
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
 def flash_varlen(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, meta: VarlenMetadata,
@@ -90,14 +91,15 @@ def flash_varlen(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, meta: 
     """One FlashAttention call for the batch. torch 2.9-2.10 take `is_causal`; later releases
     spell causal as window_size=(-1, 0) and want enable_gqa=True when K/V have fewer heads
     (the kernel itself always supported grouped heads)."""
+    varlen_attn, params = _varlen()
     kwargs: dict = {}
-    if "window_size" in _VARLEN_PARAMS:
+    if "window_size" in params:
         kwargs["window_size"] = (-1, 0)
     else:
         kwargs["is_causal"] = True
-    if "enable_gqa" in _VARLEN_PARAMS and q.shape[1] != keys.shape[1]:
+    if "enable_gqa" in params and q.shape[1] != keys.shape[1]:
         kwargs["enable_gqa"] = True
-    if "scale" in _VARLEN_PARAMS:
+    if "scale" in params:
         kwargs["scale"] = scale
     elif abs(scale - q.shape[-1] ** -0.5) > 1e-12:
         raise ValueError("this torch's varlen_attn takes no scale; only 1/sqrt(head_dim) is supported")
@@ -125,8 +127,6 @@ def sdpa_varlen(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, meta: V
 def default_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> Kernel | None:
     """The hook that picks the backend: flash_varlen where FlashAttention runs (CUDA, 16-bit,
     head_dim a multiple of 8 up to 256), else None: attention.py's reference path."""
-    if varlen_attn is None or device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or head_dim % 8 or head_dim > 256:
         return None
-    if head_dim % 8 or head_dim > 256:
-        return None
-    return flash_varlen
+    return flash_varlen if _varlen()[0] is not None else None
