@@ -52,16 +52,18 @@ def varlen_metadata(spans: Sequence[tuple[int, int, Sequence[int]]], block_size:
     order their tokens are packed. Built on the host, copied to the device once."""
     q_lens = [q for q, _, _ in spans]
     k_lens = [k for _, k, _ in spans]
-    offsets = torch.arange(block_size)
-    slots = []
-    for _, k_len, table in spans:
-        blocks = torch.tensor(list(table[: -(-k_len // block_size)]), dtype=torch.long)  # (nb,)
-        slots.append((blocks[:, None] * block_size + offsets).reshape(-1)[:k_len])  # (k_len,)
+    nbs = [-(-k // block_size) for k in k_lens]
+    blocks = torch.tensor([b for (_, _, table), nb in zip(spans, nbs) for b in table[:nb]], dtype=torch.long)
+    slots = (blocks[:, None] * block_size + torch.arange(block_size)).reshape(-1)  # (sum nb*bs,)
+    # Keep each sequence's first k_len slots: its last block may be partly filled.
+    padded = torch.tensor(nbs) * block_size  # (N,)
+    pos = torch.arange(slots.numel()) - (padded.cumsum(0) - padded).repeat_interleave(padded)
+    kv_slots = slots[pos < torch.tensor(k_lens).repeat_interleave(padded)]  # (sum k_lens,)
     cu = torch.zeros(2, len(spans) + 1, dtype=torch.int32)  # rows: queries, keys
     cu[0, 1:] = torch.tensor(q_lens).cumsum(0)
     cu[1, 1:] = torch.tensor(k_lens).cumsum(0)
     cu = cu.to(device, non_blocking=True)
-    kv_slots = torch.cat(slots).to(device, non_blocking=True)
+    kv_slots = kv_slots.to(device, non_blocking=True)
     return VarlenMetadata(q_lens, k_lens, cu[0], cu[1], kv_slots, kernel)
 
 
