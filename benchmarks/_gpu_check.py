@@ -302,7 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     if not plan.smoke and not torch.cuda.is_available():
         print("no CUDA device: run with --cpu-smoke, or on a GPU machine", file=sys.stderr)
         return 2
-    report: dict = {"machine": machine(plan), "raw": {}, "errors": {}}
+    report: dict = {"machine": machine(plan), "raw": {}, "errors": {}, "seconds": {}}
+    path = args.out / "gpu_check.json"
+    args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         sections = {
             "gpu_tests": lambda: gpu_tests(plan, Path(tmp)),
@@ -318,11 +320,11 @@ def main(argv: list[str] | None = None) -> int:
                 report["raw"][name] = run()
             except Exception:  # recorded; the remaining sections still run
                 report["errors"][name] = traceback.format_exc(limit=6)
-            print(f"[gpu_check] {name}: {time.perf_counter() - start:.1f}s", flush=True)
-    report |= summarise(report["raw"])
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"[gpu_check] wrote {args.out / 'gpu_check.json'}; errors in: {sorted(report['errors']) or 'none'}")
+            report["seconds"][name] = round(time.perf_counter() - start, 1)
+            print(f"[gpu_check] {name}: {report['seconds'][name]}s", flush=True)
+            # Written after every section: a run cut off by its time limit keeps what it measured.
+            path.write_text(json.dumps(report | summarise(report["raw"]), indent=2) + "\n")
+    print(f"[gpu_check] wrote {path}; errors in: {sorted(report['errors']) or 'none'}")
     return 0
 
 
