@@ -71,7 +71,7 @@ def test_flash_varlen_keeps_greedy_tokens_on_the_bench_preset():
     for use_flash in (True, False):
         engine = LLMEngine(EngineConfig(model="bench", device="cuda", dtype="bfloat16",
                                         cache=CacheConfig(num_blocks=1024)))
-        assert (engine.runner.varlen_kernel is flash_varlen) is True
+        assert engine.runner.varlen_kernel is flash_varlen
         if not use_flash:
             engine.runner.varlen_kernel = None
         outputs.append([o.token_ids for o in engine.generate(prompts, params)])

@@ -153,7 +153,7 @@ class Group:
             self.pg.abort() if failed else self.pg.shutdown()
         except RuntimeError:
             pass  # already torn down by a peer failure
-        self.pg = self._store = None
+        self.pg = self._store = self._last = None
 
 
 @contextlib.contextmanager
