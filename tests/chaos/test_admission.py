@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import time
 
+from engine.messages import Chunk, GenerateRequest
 from router.config import RouterConfig
+from router.errors import Overloaded
 from router.router import Router
-from router.types import Chunk, GenerateRequest, Overloaded
 
 
 class _Remote:
