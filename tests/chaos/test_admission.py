@@ -1,6 +1,6 @@
 """Admission under a burst at 10x capacity: the router's waiting queue stays within its bounds
 (requests and prompt tokens) and the excess is refused at once with Overloaded, which both doors
-answer as 429 / RESOURCE_EXHAUSTED with a retry-after hint (tests/test_http_api.py, test_grpc_door.py).
+answer as 429 / RESOURCE_EXHAUSTED with a retry-after hint (tests/integration/test_http_api.py, test_grpc_door.py).
 
 The Router runs over a plain async fake of WorkerClient, which holds every stream until
 released, so the burst meets full slots.
