@@ -17,8 +17,6 @@ CI runs reduced counts; BRIGADE_CHAOS_FULL=1 runs 1,000 flips of each kind.
 from __future__ import annotations
 
 import dataclasses
-import os
-import queue
 import random
 import shutil
 import subprocess
@@ -32,14 +30,14 @@ import pytest
 import ray
 import torch
 import torch.distributed as dist
+from cluster_helpers import disaggregate
 from kv_fault_proxy import Fault, ProxiedStore, gloo_ports, proxied_pair
 from ray_processes import actor_processes
-from test_cluster import sink_tokens, wait_for
+from support import wait_for
 
-from cluster.config import ClusterConfig
-from cluster.launch import launch, start_ray
 from decode_worker import DecodeWorker
-from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+from engine import CacheConfig, EngineConfig, LLMEngine, Role, SamplingParams
+from engine.messages import GenerateRequest
 from kv_transfer import (
     ChannelClosed,
     ChecksumMismatch,
@@ -53,11 +51,11 @@ from kv_transfer import (
     rendezvous,
 )
 from prefill_worker import PrefillWorker
-from router.types import GenerateRequest
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
-FULL = os.environ.get("BRIGADE_CHAOS_FULL") == "1"
+from support import FULL  # noqa: E402  (tests/ is on the path: tests/conftest.py)
+
 FLIPS = 1000 if FULL else 60
 LAYOUT = KVLayout("tiny", num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32)
 NUM_TOKENS = 64  # 4 blocks: a 16 KiB payload
@@ -230,7 +228,8 @@ def proxied_workers():
     rendezvous._pair_link = via_proxy
     transfer = TransferConfig(backend="gloo", timeout_s=TIMEOUT_S, connect_timeout_s=30.0)
     cfg = EngineConfig(model="tiny", num_threads=1, cache=CacheConfig(num_blocks=128))
-    prefill, decode = PrefillWorker("prefill-x", cfg, transfer), DecodeWorker("decode-x", cfg, transfer)
+    prefill = PrefillWorker("prefill-x", cfg, transfer)
+    decode = DecodeWorker("decode-x", cfg.model_copy(update={"role": Role.DECODE}), transfer)
 
     def pair_up():
         with ThreadPoolExecutor(1) as pool:
@@ -247,23 +246,10 @@ def proxied_workers():
 
 
 def serve_one(prefill: PrefillWorker, decode: DecodeWorker, rid: str, prompt: list[int]) -> tuple[list[int], bool]:
-    """One request as the router and the decode actor drive it: prefill, reserve, pull and start;
-    a failed transfer frees the reservation and recomputes on the decode worker.
-    Returns (tokens, recomputed)."""
-    req = GenerateRequest(rid, prompt, PARAMS)
-    first = prefill.prefill(req).result(timeout=30)
-    assert decode.reserve(rid, len(prompt))
-    outs: queue.Queue = queue.Queue()
-    try:
-        decode.pull(rid, prefill.worker_id, lambda: prefill.push(rid, decode.worker_id))
-        decode.start(rid, prompt, first.first_token_id, PARAMS, first.usage.cached_tokens, None,
-                     outs.put).result(timeout=30)
-        tokens, recomputed = [first.first_token_id], False
-    except KVTransferError:
-        decode.abort(rid)
-        decode.generate_local(req, outs.put).result(timeout=30)
-        tokens, recomputed = [], True
-    return tokens + sink_tokens(outs), recomputed
+    """One request as the router drives the plain workers (DecodeWorker.stream: a failed
+    transfer frees the reservation and recomputes on the decode worker). Returns (tokens, recomputed)."""
+    tokens, timing = disaggregate(prefill, decode, rid, prompt, PARAMS)
+    return tokens, timing.recomputed
 
 
 @pytest.mark.timeout(300)
@@ -310,17 +296,8 @@ def _kill_socket(conn) -> bool:
 # --- cluster: reset the real KV link between two Ray actors ---------------------------------------
 
 @pytest.fixture(scope="module")
-def cluster():
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    start_ray(ClusterConfig(num_cpus=4))
-    cl = launch(ClusterConfig(num_cpus=2, prefill=1, decode=1, engine={"num_blocks": 256},
-                              transfer={"timeout_s": 5.0}))
-    try:
-        yield cl
-    finally:
-        cl.shutdown()
-        ray.shutdown()
+def cluster(ray_cluster):
+    return ray_cluster(prefill=1, decode=1, engine={"cache": {"num_blocks": 256}}, transfer={"timeout_s": 5.0})
 
 
 def kv_link_connections(cluster, pair: int) -> list:
