@@ -42,9 +42,9 @@ from engine.models import CausalLM  # noqa: E402
 from engine.models.layers import RotaryEmbedding  # noqa: E402
 from engine.models.varlen_attention import default_kernel, sdpa_varlen  # noqa: E402
 
-GPU_TESTS = ["tests/test_engine_gpu.py", "tests/test_varlen_attention.py", "tests/test_grouped_moe.py",
-             "tests/test_group_wait.py", "tests/test_kv_transfer.py", "tests/test_hicache.py",
-             "tests/test_parallel_model.py"]
+GPU_TESTS = ["tests/unit/test_engine_gpu.py", "tests/unit/test_varlen_attention.py", "tests/unit/test_grouped_moe.py",
+             "tests/unit/test_group_wait.py", "tests/integration/test_kv_transfer.py", "tests/unit/test_hicache.py",
+             "tests/integration/test_parallel_model.py"]
 SHAPES = {
     "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=1024,
                        intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,

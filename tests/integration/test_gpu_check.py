@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = {"gpu_tests", "sdpa_probe", "collective_wait", "transfer_rates", "engine_shapes", "engine_preset"}
 
 
