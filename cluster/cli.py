@@ -225,9 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "grpc_port: null in --config turns it off)")
     srv.set_defaults(run="cluster.serve", make_config=cluster_config)
 
+    from cluster.models_cmd import add_parser as add_models_parser
     from loadtest.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)
+    add_models_parser(sub)
     return parser
 
 
@@ -322,7 +324,7 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, InvalidRequest):
         return f"{exc}; change {REQUEST_FLAGS.get(exc.field, exc.field)}"
     if isinstance(exc, ModelNotFound):
-        return f"{exc}; pass --model with a preset name or a checkpoint directory"
+        return f"{exc}; pass --model with a preset, a registry model, a .gguf file or a checkpoint directory"
     if isinstance(exc, UnsupportedModel):
         return f"{exc}; pick a checkpoint of a supported architecture, or --model tiny"
     if isinstance(exc, CheckpointError):
