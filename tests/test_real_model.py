@@ -1,0 +1,202 @@
+"""Exactness on real weights: SmolLM2-135M-Instruct in float32, 16 prompts (8 plain, 8 chat) x
+32 greedy tokens, identical to transformers' generate() through the engine; prefix hits from
+the device pool, the host tier and the disk tier; a cluster colocated and 1 prefill + 1
+decode (the launch `brigade serve` runs) and a TP=3 decode group (SmolLM2's 9 heads and 3 KV
+heads do not split in two: TP=3 is its smallest group). The decode-worker kill is in
+tests/chaos/test_decode_kill.py. Qwen2.5-Coder-0.5B on the engine path is marked slow.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from test_cluster import collect
+
+from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from engine.config import HiCacheConfig
+from engine.tokenizer import Tokenizer, chat_token_ids
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+NEW_TOKENS = 32
+# Plain prompts are these texts' first 5 tokens and the questions' chat prompts come in two
+# lengths (36 and 37 tokens), so transformers generates the reference in 3 unpadded batches
+# instead of 16 runs (its batch-1 decode of a 135M model is ~0.1 s a token on one core).
+PLAIN = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,",
+         "The three primary colors are", "Water boils at 100 degrees", "import numpy as np\n\nx = np",
+         "The GNU General Public License is", "1, 2, 3, 5, 8, 13,"]
+QUESTIONS = ["Who wrote the play Hamlet?", "Explain gravity in one line.", "Translate hello into French.",
+             "Why is the sky blue?", "What is the capital of France?", "What is the capital of Japan?",
+             "How do I sort a list?", "What is the capital of Peru?"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def smollm2_prompts(path: Path) -> list[list[int]]:
+    tok = Tokenizer.from_dir(path)
+    return ([tok.encode(p)[:5] for p in PLAIN]
+            + [chat_token_ids(tok, [{"role": "user", "content": q}]) for q in QUESTIONS])
+
+
+def hf_greedy(path: Path, prompts: list[list[int]], n: int = NEW_TOKENS) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # exactly n tokens, as ignore_eos gives
+    out: dict[int, list[int]] = {}
+    by_len: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_len.setdefault(len(p), []).append(i)
+    with torch.no_grad():
+        for length, idx in by_len.items():  # equal lengths: a batch with no padding
+            seqs = hf.generate(torch.tensor([prompts[i] for i in idx]), do_sample=False, max_new_tokens=n)
+            out.update((i, seqs[k, length:].tolist()) for k, i in enumerate(idx))
+    return [out[i] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2: Path) -> tuple[list[list[int]], list[list[int]]]:
+    prompts = smollm2_prompts(smollm2)
+    return prompts, hf_greedy(smollm2, prompts)
+
+
+def engine_for(path: Path, **cache) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu",
+                                  cache=CacheConfig(**{"num_blocks": 256, **cache}),
+                                  scheduler=SchedulerConfig(max_num_batched_tokens=1024)))
+
+
+def test_engine_matches_transformers(smollm2, reference) -> None:
+    prompts, want = reference
+    outs = engine_for(smollm2).generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == want
+    tok = Tokenizer.from_dir(smollm2)
+    answer = tok.decode(outs[12].token_ids)  # "What is the capital of France?"
+    assert "Paris" in answer
+    assert all(o.text == tok.decode(o.token_ids) for o in outs)
+
+
+def test_prefix_hits_from_device_host_and_disk_give_the_same_tokens(smollm2, tmp_path) -> None:
+    tok = Tokenizer.from_dir(smollm2)
+    gpl = tok.encode(Path("/usr/share/common-licenses/GPL-3").read_text())
+    long, filler = gpl[:96], gpl[1000:1240]  # 6 blocks of 16 (5 reusable); 15 blocks
+    ref = hf_greedy(smollm2, [long], 8)[0]
+    kv_block = 2 * 30 * 16 * 3 * 64 * 4  # K and V, 30 layers, block 16, 3 KV heads, hd 64, float32
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    seen = {}
+    for tier, host_blocks in (("host", 64), ("disk", 1)):
+        engine = engine_for(smollm2, num_blocks=16, hicache=HiCacheConfig(
+            enabled=True, host_bytes=host_blocks * kv_block, disk_dir=str(tmp_path / tier),
+            disk_bytes=64 * (kv_block + 4096)))
+        cold, warm = (engine.generate([long], params)[0] for _ in range(2))
+        engine.generate([filler], params)  # 16 blocks with its output: the prompt's leave the 16-block pool
+        engine.hicache.drain()
+        lower = engine.generate([long], params)[0]
+        assert cold.token_ids == warm.token_ids == lower.token_ids == ref
+        assert warm.usage.cached_by_tier == {"device": 80}
+        seen[tier] = lower.usage.cached_by_tier
+        assert sum(seen[tier].values()) == 80
+        engine.close()
+    assert seen["host"].get("host", 0) >= 48 and "disk" not in seen["host"]
+    assert seen["disk"].get("disk", 0) >= 48
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    from cluster.config import ClusterConfig
+    from cluster.launch import start_ray
+
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    start_ray(ClusterConfig(num_cpus=4))
+    yield
+    ray.shutdown()
+
+
+def cluster_tokens(cfg, prompts: list[list[int]], tag: str) -> list[list[int]]:
+    from cluster.launch import launch
+
+    cl = launch(cfg)
+    try:
+        async def main():
+            return await asyncio.gather(*(collect(cl.router, f"{tag}-{i}", p, GREEDY) for i, p in enumerate(prompts)))
+        return [tokens for tokens, _ in asyncio.run(asyncio.wait_for(main(), 600))]
+    finally:
+        cl.shutdown()
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", [{"mode": "colocated", "decode": 1},
+                                    {"mode": "disaggregated", "prefill": 1, "decode": 1}],
+                         ids=["colocated", "1p1d"])
+def test_cluster_matches_transformers(smollm2, reference, ray_session, layout) -> None:
+    from cluster.config import ClusterConfig
+
+    prompts, want = reference
+    cfg = ClusterConfig(model=str(smollm2), num_cpus=3, engine={"num_blocks": 256, "dtype": "float32"}, **layout)
+    assert cluster_tokens(cfg, prompts, layout["mode"]) == want
+
+
+@pytest.mark.timeout(900)
+def test_tp3_decode_group_matches_transformers(smollm2, reference, ray_session) -> None:
+    """4 of the 16 prompts (2 plain, 2 chat): a TP=3 group is 3 model copies on 2 cores."""
+    from cluster.config import ClusterConfig
+
+    prompts, want = reference
+    ids = [0, 6, 8, 13]
+    cfg = ClusterConfig(model=str(smollm2), num_cpus=4, engine={"num_blocks": 128, "dtype": "float32"},
+                        parallel={"decode_tp": 3, "timeout_s": 30.0})
+    assert cluster_tokens(cfg, [prompts[i] for i in ids], "tp3") == [want[i] for i in ids]
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # 17 prefills of 512 tokens, twice: compute-bound, unlike the rest here
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.slow
+def test_perplexity_on_gpl3_equals_transformers(smollm2, two_threads) -> None:
+    """512-token windows of /usr/share/common-licenses/GPL-3, each scored from its own start."""
+    from transformers import AutoModelForCausalLM
+
+    tok = Tokenizer.from_dir(smollm2)
+    ids = tok.encode(Path("/usr/share/common-licenses/GPL-3").read_text())
+    windows = [ids[i:i + 512] for i in range(0, len(ids) - 511, 512)]
+    engine = engine_for(smollm2, num_blocks=64, enable_prefix_cache=False)
+    hf = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    ours_nll, hf_nll = [], []
+    for w in windows:
+        logits = prompt_logits(engine, w)  # (512, V)
+        ours_nll.append(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(w[1:]), reduction="sum"))
+        with torch.no_grad():
+            theirs = hf(torch.tensor([w])).logits[0].float()
+        hf_nll.append(torch.nn.functional.cross_entropy(theirs[:-1], torch.tensor(w[1:]), reduction="sum"))
+    n = len(windows) * 511
+    ours, theirs = math.exp(sum(ours_nll).item() / n), math.exp(sum(hf_nll).item() / n)
+    assert len(windows) >= 10 and 1.5 < theirs < 30  # a real model on real text
+    assert abs(ours - theirs) / theirs < 1e-3
+
+
+def prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
+    """Logits (T, V) at every position of a prompt, from the engine's own model and paged KV."""
+    from engine.scheduler import ScheduledSeq
+    from engine.sequence import Sequence
+
+    seq = Sequence("ppl", list(prompt), SamplingParams(), arrival=0)
+    seq.block_table = engine.pool.allocate(-(-len(prompt) // engine.block_size))
+    try:
+        runner = engine.runner
+        input_ids, positions, meta, _ = runner._prepare([ScheduledSeq(seq, len(prompt))])
+        with torch.no_grad():
+            hidden = runner.model(input_ids, positions, runner.kv_cache, meta)
+            return runner.model.compute_logits(hidden)
+    finally:
+        engine.pool.release(seq.block_table)
