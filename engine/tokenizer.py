@@ -72,8 +72,9 @@ def chat_token_ids(tokenizer: Tokenizer | None, messages: object, tools: object 
     for name, value in (("tools", tools), ("documents", documents)):
         if value is not None and not (isinstance(value, list) and all(isinstance(v, dict) for v in value)):
             raise InvalidRequest(name, "must be a list of JSON objects")
-    kwargs = dict(template_kwargs or {}) if isinstance(template_kwargs, dict) or template_kwargs is None else None
-    if kwargs is None or not all(isinstance(k, str) for k in kwargs) or any(k in kwargs for k in RESERVED):
+    kwargs = dict(template_kwargs) if isinstance(template_kwargs, dict) else {}
+    if ((template_kwargs is not None and not isinstance(template_kwargs, dict))
+            or not all(isinstance(k, str) for k in kwargs) or any(k in kwargs for k in RESERVED)):
         raise InvalidRequest("chat_template_kwargs", f"must be a JSON object of template variables other than "
                                                      f"{', '.join(RESERVED)}")
     if tokenizer is None or not tokenizer.chat_template:
