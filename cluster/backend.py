@@ -64,8 +64,8 @@ class ClusterBackend:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return prompt_token_ids(self.tokenizer, prompt)
 
-    def chat_token_ids(self, messages: list[dict]) -> list[int]:
-        return chat_token_ids(self.tokenizer, messages)
+    def chat_token_ids(self, messages: list[dict], **template) -> list[int]:
+        return chat_token_ids(self.tokenizer, messages, **template)
 
     def detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.tokenizer is None:

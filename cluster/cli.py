@@ -16,9 +16,11 @@ DESCRIPTION = "Brigade: serve and run LLMs (prefill and decode on separate worke
 EPILOG = """\
 examples:
   brigade generate --prompt "The capital of France is"      # greedy, built-in 'tiny' preset
+  brigade generate --model smollm2-135m --prompt "What is the capital of France?" --chat   # a real model
   brigade generate --model ~/models/Qwen3-0.6B --prompt "Hi" --chat --max-tokens 64
   brigade serve --prefill 1 --decode 1 --http-port 8000   # OpenAI-compatible HTTP API on a Ray cluster
   brigade bench run --url http://127.0.0.1:8000 --workload shared-prefix --request-rate 1,2,4   # load test
+  brigade models list                                       # real models: pull, verify, convert
 
 Run 'brigade <command> --help' for a command's flags.
 """
@@ -113,15 +115,17 @@ def _engine_flags(defaults: bool = True) -> argparse.ArgumentParser:
     """Model and engine flags. Without `defaults` an absent flag is None, so that a config
     file's value is not overridden by a flag nobody gave."""
     from engine.presets import PRESETS
+    from engine.registry.catalog import REGISTRY
 
     def default(value: str) -> str | None:
         return value if defaults else None
 
     parent = argparse.ArgumentParser(add_help=False)
     g = parent.add_argument_group("model and engine")
-    g.add_argument("--model", default=default("tiny"), metavar="PATH|PRESET",
-                   help=f"HF-format checkpoint directory or built-in preset ({', '.join(PRESETS)}); "
-                        "default: tiny")
+    g.add_argument("--model", default=default("tiny"), metavar="PATH|NAME",
+                   help=f"HF-format checkpoint directory, a .gguf file, a registry model pulled on first use "
+                        f"({', '.join(REGISTRY)}; see 'brigade models list') or a built-in preset "
+                        f"({', '.join(PRESETS)}); default: tiny")
     g.add_argument("--dtype", default=default("auto"), choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV dtype; auto: the checkpoint's on CUDA, float32 on CPU")
     g.add_argument("--device", default=default("auto"), type=_device, metavar="auto|cpu|cuda[:N]",
@@ -227,9 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "grpc_port: null in --config turns it off)")
     srv.set_defaults(run="cluster.serve", make_config=cluster_config)
 
+    from cluster.models_cmd import add_parser as add_models_parser
     from loadtest.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)
+    add_models_parser(sub)
     return parser
 
 
@@ -325,7 +331,7 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, InvalidRequest):
         return f"{exc}; change {REQUEST_FLAGS.get(exc.field, exc.field)}"
     if isinstance(exc, ModelNotFound):
-        return f"{exc}; pass --model with a preset name or a checkpoint directory"
+        return f"{exc}; pass --model with a preset, a registry model, a .gguf file or a checkpoint directory"
     if isinstance(exc, UnsupportedModel):
         return f"{exc}; pick a checkpoint of a supported architecture, or --model tiny"
     if isinstance(exc, CheckpointError):

@@ -54,8 +54,11 @@ def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> to
 
 
 def model_id_for(cfg: EngineConfig, path: Path) -> str:
-    """The name block hashes are salted with: configured, a preset's name, or the directory's name."""
-    return cfg.model_id or (cfg.model if cfg.model in PRESETS else path.name)
+    """The name block hashes are salted with: configured, a preset's or registry model's name, or the
+    directory's name."""
+    from engine.registry import REGISTRY
+
+    return cfg.model_id or (cfg.model if cfg.model in PRESETS or cfg.model in REGISTRY else path.name)
 
 
 def context_length(max_model_len: int | None, model_cfg: ModelConfig) -> int:

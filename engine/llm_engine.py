@@ -129,6 +129,8 @@ class LLMEngine:
         detok = self.detoks[seq.request_id]
         detok.update(seq.output_token_ids)
         reason = self._stop_reason(seq, token, detok)
+        if reason is not None:
+            detok.finish()  # text == decode(output tokens), an unfinished last character included
         delta = detok.take(0 if reason else _holdback(seq.params))
         if reason is not None:
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
@@ -151,7 +153,7 @@ class LLMEngine:
             start = max(0, len(detok.text) - window)
             hits = [i for s in p.stop if (i := detok.text.find(s, start)) >= 0]
             if hits:
-                detok.text = detok.text[: min(hits)]  # the stop string itself is not returned
+                detok.cut(min(hits))  # the stop string itself is not returned
                 return "stop"
         if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

@@ -9,6 +9,7 @@ import torch
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
@@ -22,7 +23,7 @@ class UnsupportedModel(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" | "qwen3" | "qwen3_moe"
+    architecture: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -35,7 +36,8 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     rope_scaling: dict | None = None
-    attention_bias: bool = False
+    attention_bias: bool = False  # bias on q, k, v and o (Llama's flag)
+    qkv_bias: bool = False  # bias on q, k, v only (Qwen2)
     qk_norm: bool = False
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -96,6 +98,7 @@ class ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             attention_bias=hf.get("attention_bias", False),
+            qkv_bias=arch == "qwen2",
             qk_norm=arch in ("qwen3", "qwen3_moe"),
             num_experts=hf.get("num_experts", hf.get("num_local_experts", 0)) if arch == "qwen3_moe" else 0,
             num_experts_per_tok=hf.get("num_experts_per_tok", 0),

@@ -219,13 +219,42 @@ def materialize(name: str, cache_dir: Path | None = None) -> Path:
 
 
 def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
-    """Map a `--model` value to a checkpoint directory: a preset name or an HF-format dir."""
+    """Map a `--model` value to a checkpoint directory: a preset name, a registry model (pulled
+    and converted on first use), a GGUF file (converted into the cache on first use), or an
+    HF-format dir."""
+    from engine.registry import REGISTRY
+
     if name_or_path in PRESETS:
         return materialize(name_or_path, cache_dir)
+    if name_or_path in REGISTRY:
+        return _pull_on_first_use(name_or_path, cache_dir)
     path = Path(name_or_path).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return _gguf_checkpoint(path, cache_dir)
     if (path / "config.json").is_file():
         return path
     raise ModelNotFound(
-        f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a directory "
+        f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}), a registry model "
+        f"({', '.join(REGISTRY)}; see 'brigade models list'), a .gguf file, nor a directory "
         "with config.json (an HF-format checkpoint: config.json, *.safetensors, tokenizer.json)"
     )
+
+
+def _pull_on_first_use(name: str, cache_dir: Path | None) -> Path:
+    from engine.registry import is_pulled, pull
+    from engine.registry.progress import RichPullProgress
+
+    if is_pulled(name, cache_dir=cache_dir):
+        return pull(name, cache_dir=cache_dir)
+    with RichPullProgress(f"pulling {name} (first use; 'brigade models pull' does this ahead)") as progress:
+        return pull(name, cache_dir=cache_dir, progress=progress)
+
+
+def _gguf_checkpoint(path: Path, cache_dir: Path | None) -> Path:
+    """A GGUF file's HF-layout conversion, cached by the file's name, size and mtime."""
+    from engine.gguf import convert_atomically
+
+    st = path.resolve().stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    final = Path(cache_dir or default_cache_dir()) / "gguf-converted" / f"{path.stem}-{key}"
+    return convert_atomically(path, final)

@@ -5,10 +5,9 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from engine.chat_template import RESERVED, TemplateRefused, render
 from engine.sampling import InvalidRequest
 
 
@@ -20,6 +19,9 @@ class Tokenizer:
         self.chat_template: str | None = cfg.get("chat_template")
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
+        # What transformers' special_tokens_map hands a chat template (only the ones set).
+        self.special_tokens = {k: t for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+                               if (t := _token_text(cfg.get(k)))}
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
@@ -34,15 +36,15 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, documents: list[dict] | None = None,
+                            **kwargs) -> str:
+        """The template's text, as transformers' apply_chat_template(..., tokenize=False) gives it;
+        TemplateRefused if the template raises."""
         if not self.chat_template:
             raise ValueError("this model's tokenizer_config.json has no chat_template; send a plain prompt")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
-        env.globals["raise_exception"] = _raise
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-        )
+        return render(self.chat_template, messages, tools=tools, documents=documents,
+                      add_generation_prompt=add_generation_prompt, special_tokens=self.special_tokens, **kwargs)
 
 
 def prompt_token_ids(tokenizer: Tokenizer | None, prompt: str | Sequence[int]) -> list[int]:
@@ -54,18 +56,36 @@ def prompt_token_ids(tokenizer: Tokenizer | None, prompt: str | Sequence[int]) -
     return [int(t) for t in prompt]
 
 
-def chat_token_ids(tokenizer: Tokenizer | None, messages: object) -> list[int]:
-    """Chat messages ([{"role", "content"}, ...]) through the model's chat template, as token ids;
-    InvalidRequest (field "messages") for a malformed list or a model without a template."""
+def chat_token_ids(tokenizer: Tokenizer | None, messages: object, tools: object = None, documents: object = None,
+                   template_kwargs: object = None) -> list[int]:
+    """Chat messages ([{"role", "content", ...}, ...]) through the model's chat template, as token
+    ids. `tools` and `documents` (lists of JSON objects) and `template_kwargs` (an object: the
+    OpenAI request's chat_template_kwargs, e.g. {"enable_thinking": false}) reach the template
+    as transformers passes them. InvalidRequest naming the field for malformed input; field
+    "messages" when the template itself refuses them (its raise_exception)."""
     if (not isinstance(messages, list) or not messages
-            or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                       and (isinstance(m.get("content"), str) or (m.get("content") is None and "tool_calls" in m))
                        for m in messages)):
-        raise InvalidRequest("messages", "must be a non-empty list of {\"role\": str, \"content\": str}")
+        raise InvalidRequest("messages", "must be a non-empty list of {\"role\": str, \"content\": str} "
+                                         "(content may be null on a message with tool_calls)")
+    for name, value in (("tools", tools), ("documents", documents)):
+        if value is not None and not (isinstance(value, list) and all(isinstance(v, dict) for v in value)):
+            raise InvalidRequest(name, "must be a list of JSON objects")
+    kwargs = dict(template_kwargs) if isinstance(template_kwargs, dict) else {}
+    if ((template_kwargs is not None and not isinstance(template_kwargs, dict))
+            or not all(isinstance(k, str) for k in kwargs) or any(k in kwargs for k in RESERVED)):
+        raise InvalidRequest("chat_template_kwargs", f"must be a JSON object of template variables other than "
+                                                     f"{', '.join(RESERVED)}")
     if tokenizer is None or not tokenizer.chat_template:
         raise InvalidRequest("messages", "this model has no chat template: send a plain prompt instead")
+    add_generation_prompt = kwargs.pop("add_generation_prompt", True)
+    # As transformers does: a key set to null is a key left out (templates test `is defined`).
+    plain = [{k: v for k, v in m.items() if v is not None} for m in messages]
     try:
-        text = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages])
-    except jinja2.TemplateError as exc:  # the template itself refused these messages (raise_exception)
+        text = tokenizer.apply_chat_template(plain, add_generation_prompt=bool(add_generation_prompt),
+                                             tools=tools, documents=documents, **kwargs)
+    except TemplateRefused as exc:
         raise InvalidRequest("messages", f"the chat template refused the messages: {exc}") from None
     return tokenizer.encode(text)
 
@@ -73,6 +93,12 @@ def chat_token_ids(tokenizer: Tokenizer | None, messages: object) -> list[int]:
 class IncrementalDetokenizer:
     """Text of a growing token list, handed out in deltas that never split a UTF-8 character
     and, while a stop string might be forming, hold back its possible start.
+
+    Constant work per token: each update decodes only a short window, the tokens since the
+    last point where the text was whole (vLLM's prefix/read offsets), not the whole output.
+    Decoding restarts cleanly there because the text before it was complete characters. While
+    the window ends inside a UTF-8 sequence its text waits; finish() flushes it, so a finished
+    request's text is exactly tokenizer.decode(its tokens), replacement characters included.
 
     A migrated request's continuation starts from `prefix` (the output tokens the client
     already has) with `emitted` (the characters of their text it already has): its text is
@@ -82,16 +108,44 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer | None, prefix: Sequence[int] = (), emitted: int = 0):
         self.tokenizer = tokenizer
-        self.prefix = list(prefix)
+        self.ids: list[int] = []  # the prefix, then the output tokens seen so far
         self.text = ""
         self.emitted = emitted  # characters of the text already handed out
+        self._outputs = 0  # output tokens seen (update() gets the whole output list each time)
+        self._prefix_at = 0  # window start: the text of ids[:_read_at] is in self.text
+        self._read_at = 0
+        self._cut = False
+        self._extend(list(prefix))
 
     def update(self, token_ids: list[int]) -> None:
-        if self.tokenizer is None:
+        """`token_ids`: the request's whole output so far; only the new tail is decoded."""
+        new = token_ids[self._outputs:]
+        self._outputs = len(token_ids)
+        self._extend(new)
+
+    def _extend(self, new: list[int]) -> None:
+        if self.tokenizer is None or not new or self._cut:
             return
-        full = self.tokenizer.decode(self.prefix + token_ids)
-        if not full.endswith("\ufffd"):  # an incomplete byte sequence: wait for the next token
-            self.text = full
+        self.ids.extend(new)
+        self._advance(final=False)
+
+    def _advance(self, final: bool) -> None:
+        seen = self.tokenizer.decode(self.ids[self._prefix_at:self._read_at])
+        window = self.tokenizer.decode(self.ids[self._prefix_at:])
+        if window.endswith("\ufffd") and not final:  # an incomplete character: wait for more tokens
+            return
+        self.text += window[len(seen):]
+        self._prefix_at, self._read_at = self._read_at, len(self.ids)
+
+    def finish(self) -> None:
+        """The request ended: hand the held tokens' text out as decode() gives it."""
+        if self.tokenizer is not None and not self._cut and self._read_at < len(self.ids):
+            self._advance(final=True)
+
+    def cut(self, at: int) -> None:
+        """A stop string starts at character `at`: the text ends there, for good."""
+        self.text = self.text[:at]
+        self._cut = True
 
     def take(self, holdback: int = 0) -> str:
         """Text not handed out yet, keeping the last `holdback` characters back. Never hands out
@@ -107,6 +161,3 @@ def _token_text(tok) -> str | None:
         return tok.get("content")
     return tok
 
-
-def _raise(message: str):
-    raise ValueError(message)

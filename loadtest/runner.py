@@ -78,10 +78,13 @@ class Run:
         text: list[str] = []
         ids: list[int] = []
         ids_complete = True  # every token-carrying chunk came with its ids
+        first_chunk_s: float | None = None
 
         async def consume() -> None:
-            nonlocal ids_complete
+            nonlocal ids_complete, first_chunk_s
             async for chunk in self.target.stream(prompt):
+                if first_chunk_s is None:
+                    first_chunk_s = chunk.time - sent
                 if chunk.num_tokens:
                     rec.chunk_times_s.append(chunk.time - sent)
                     rec.chunk_tokens.append(chunk.num_tokens)
@@ -101,7 +104,11 @@ class Run:
             rec.error_kind, rec.error = "timeout", f"no complete answer within {self.cfg.target.timeout_s} s"
         rec.e2e_s = time.perf_counter() - sent
         if rec.ok:
+            # Usage (or token ids) count tokens; text cannot: a token ending inside a UTF-8
+            # character streams no text. Such tokens arrived by the first chunk at the latest.
             rec.output_tokens = rec.output_tokens or sum(rec.chunk_tokens)  # no usage: count what came
+            if not rec.chunk_times_s and rec.output_tokens and first_chunk_s is not None:
+                rec.chunk_times_s, rec.chunk_tokens = [first_chunk_s], [rec.output_tokens]
             rec.ttft_s = rec.chunk_times_s[0] if rec.chunk_times_s else None
             if rec.ttft_s is None:
                 rec.error_kind, rec.error = "no_tokens", "the answer carried no tokens"

@@ -26,8 +26,10 @@ class Backend(Protocol):
     def detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text for token ids; InvalidRequest (field "token_ids") for ids outside the vocabulary."""
 
-    def chat_token_ids(self, messages: list[dict]) -> list[int]:
-        """Messages through the chat template; InvalidRequest (field "messages") if malformed."""
+    def chat_token_ids(self, messages: list[dict], **template) -> list[int]:
+        """Messages through the chat template, with `tools`, `documents` and `template_kwargs`
+        (chat_template_kwargs) when the request has them; InvalidRequest naming the field if
+        malformed ("messages" when the template refuses them)."""
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         """InvalidRequest naming the field if the request can never run."""

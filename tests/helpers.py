@@ -34,6 +34,7 @@ HF_SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
         tie_word_embeddings=True, max_position_embeddings=512,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         tie_word_embeddings=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
@@ -51,7 +52,12 @@ def build_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
     config_cls, model_cls, overrides = HF_SPECS[name]
     config = getattr(transformers, config_cls)(**{**_COMMON, **overrides})
     torch.manual_seed(seed)
-    return getattr(transformers, model_cls)(config).eval()
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():  # transformers zeroes biases (Qwen2's q/k/v): make them count
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(std=INIT_STD)
+    return model
 
 
 def save_hf_model(name: str, path: Path, seed: int = 0, **save_kwargs: Any) -> Path:

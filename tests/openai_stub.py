@@ -6,7 +6,8 @@ cached_tokens from its own toy prefix cache: the longest run of whole BLOCK-toke
 prompt shares with an earlier prompt (token-id prompts only). Every `fail_every`-th request
 is answered 503; `misbehave` maps a request's number (1-based) to a broken stream: "error" (an
 error event after one token), "abort" (finish_reason "abort"), "cut" (the connection closes after
-one token). `bodies` keeps every request body, in arrival order.
+one token), "empty" (every chunk's text is empty, as for tokens ending inside a UTF-8 character:
+only usage and token ids count them). `bodies` keeps every request body, in arrival order.
 """
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ class OpenAIStub:
             broken = self.misbehave.get(len(self.bodies))
             for i in range(n):
                 await asyncio.sleep(self.token_delay_s)
-                if broken and i == 1:
+                if broken in ("error", "abort", "cut") and i == 1:
                     if broken == "error":
                         await self._event(writer, {"error": {"message": "worker died", "type": "server_error"}})
                     if broken == "abort":
@@ -95,8 +96,9 @@ class OpenAIStub:
                             {"index": 0, "text": "", "finish_reason": "abort"}]})
                     return
                 done = "length" if i == n - 1 else None
-                choice = ({"index": 0, "delta": {"content": f"w{i} "}, "finish_reason": done} if chat
-                          else {"index": 0, "text": f"w{i} ", "finish_reason": done})
+                text = "" if broken == "empty" else f"w{i} "
+                choice = ({"index": 0, "delta": {"content": text}, "finish_reason": done} if chat
+                          else {"index": 0, "text": text, "finish_reason": done})
                 if body.get("return_token_ids"):
                     choice["token_ids"] = [100 + i]
                 await self._event(writer, {"id": "x", "choices": [choice]})

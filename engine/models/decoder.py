@@ -1,4 +1,5 @@
-"""One decoder-only model covering Llama, Qwen3 and Qwen3-MoE (they differ in q/k norm and MLP)."""
+"""One decoder-only model covering Llama, Qwen2, Qwen3 and Qwen3-MoE (they differ in q/k/v bias, q/k norm
+and MLP)."""
 from __future__ import annotations
 
 import torch
@@ -15,7 +16,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.q_size, self.kv_size = q, kv
-        self.qkv_proj = Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attention_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attention_bias or cfg.qkv_bias)
         self.o_proj = Linear(q, cfg.hidden_size, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None

@@ -85,7 +85,12 @@ def parse_chat(body: dict, backend) -> ParsedRequest:
         raise InvalidRequest("top_logprobs", "needs \"logprobs\": true")
     if logprobs:
         fields["logprobs"] = 0 if top is None else top
-    ids = backend.chat_token_ids(_text_parts_joined(body.get("messages")))
+    # Template inputs beyond the messages (vLLM's names), passed on only when the request has them.
+    # (`tools` is refused above: no tool-call parser turns the answer into tool_calls yet.)
+    template = {"documents": body["documents"]} if body.get("documents") is not None else {}
+    if body.get("chat_template_kwargs") is not None:
+        template["template_kwargs"] = body["chat_template_kwargs"]
+    ids = backend.chat_token_ids(_text_parts_joined(body.get("messages")), **template)
     try:
         params = sampling_params(fields, SamplingParams(), SAMPLING_FIELDS)
         backend.validate(ids, params)

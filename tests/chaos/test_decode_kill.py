@@ -209,3 +209,33 @@ def test_a_stop_string_spanning_the_migration_point_stops_the_migrated_stream_as
     assert migrated >= 1, "no stream moved: the kill came after every stop string had matched"
     wait_pools_whole(cluster)
     cluster.replace_worker(killed)
+
+
+@pytest.fixture(scope="module")
+def smollm2_cluster(smollm2, ray_cluster):
+    """The same layout serving SmolLM2-135M (float32), the real model of tests/integration/test_real_model.py."""
+    return ray_cluster(model=str(smollm2), prefill=1, decode=2,
+                       engine={"dtype": "float32", "cache": {"num_blocks": 256}})
+
+
+@pytest.mark.timeout(600)
+def test_killing_the_decode_worker_mid_stream_on_smollm2_matches_transformers(smollm2_cluster, smollm2):
+    """4 of test_real_model's chat prompts x 32 greedy tokens (fewer than its 16: each stream is
+    a real 135M-parameter decode on 2 shared cores). Every stream ends with transformers'
+    tokens, or retriable with a true prefix of them."""
+    from real_models import GREEDY, hf_greedy, smollm2_prompts
+
+    batch = smollm2_prompts(smollm2)[12:16]
+    reference = hf_greedy(smollm2, batch)
+    killed, results = asyncio.run(asyncio.wait_for(
+        kill_mid_stream(smollm2_cluster, 200, batch, [GREEDY] * len(batch)), 420))
+    moved = 0
+    for i, (tokens, last) in enumerate(results):
+        if isinstance(last, StreamBroken):
+            assert last.tokens_sent == len(tokens) and tokens == reference[i][:len(tokens)], f"stream {i}"
+            continue
+        assert tokens == reference[i], f"stream {i}: tokens differ from transformers'"
+        assert last.decode_worker != killed and last.usage.completion_tokens == len(reference[i])
+        moved += last.timing.migrations > 0
+    assert moved >= 1, "no stream migrated"
+    wait_pools_whole(smollm2_cluster)

@@ -78,6 +78,17 @@ def test_broken_streams_are_errors_of_their_kind(tmp_path: Path) -> None:
     assert run["records"][3]["output_tokens"] == 3 and run["mean_ttft_ms"] == run["records"][3]["ttft_s"] * 1000
 
 
+def test_tokens_are_counted_from_usage_when_their_text_is_empty(tmp_path: Path) -> None:
+    """One-token answers whose token ends inside a UTF-8 character stream no text: usage says 1
+    token, and that is what counts (issue 16: such answers were failures, 'carried no tokens')."""
+    with OpenAIStub(misbehave=dict.fromkeys(range(1, 7), "empty")) as stub:
+        run, = bench(stub, tmp_path, "--num-prompts", "6", "--input-len", "8", "--output-len", "1")["runs"]
+    assert (run["completed"], run["failed"]) == (6, 0)
+    assert run["total_output_tokens"] == 6
+    for rec in run["records"]:
+        assert rec["output_tokens"] == 1 and rec["chunk_tokens"] == [1] and rec["ttft_s"] is not None
+
+
 def test_trace_replay_shares_the_prefixes_its_hash_ids_share(tmp_path: Path, capsys) -> None:
     trace = shared_data("mooncake_conversation_trace.jsonl")
     with OpenAIStub() as stub:  # the live progress display on (stderr), as a person runs it

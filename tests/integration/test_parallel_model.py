@@ -36,7 +36,7 @@ def assert_same(got: list[dict], want: list[dict]) -> None:
             assert torch.allclose(torch.tensor([v for _, v in gs]), torch.tensor([v for _, v in ws]), atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "llama-gqa"])
+@pytest.mark.parametrize("name", ["qwen3", "llama-gqa", "qwen2"])  # qwen2: q/k/v bias split by heads
 def test_tp2_matches_tp1(name, hf_checkpoints, tmp_path):
     model = hf_checkpoints.get(name)
     assert_same(run_group(model, tmp_path, PROMPTS, tp=2, max_tokens=MAX_TOKENS), reference(model))

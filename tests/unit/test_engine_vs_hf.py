@@ -1,7 +1,7 @@
 """The engine against transformers, the reference implementation (DESIGN.md: same answer everywhere).
 
 Random-weight checkpoints written by transformers' own save_pretrained: Llama with GQA
-(untied), Llama with llama3 rope scaling (tied), Qwen3 (q/k norm, tied) and Qwen3-MoE (4
+(untied), Llama with llama3 rope scaling (tied), Qwen2 (q/k/v bias, untied), Qwen3 (q/k norm, tied) and Qwen3-MoE (4
 experts, top-2, with and without norm_topk_prob). float32 throughout.
 
 Tolerances: logits and log-probs agree to atol 1e-4 (observed ~1e-5: the same ops in a
