@@ -230,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     from loadtest.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)
+    from cluster.sim_cmd import add_parsers as add_sim_parsers
+
+    add_sim_parsers(sub)
     return parser
 
 
