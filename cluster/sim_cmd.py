@@ -81,7 +81,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     fmt = argparse.RawDescriptionHelpFormatter
     sim = sub.add_parser("sim", formatter_class=fmt, epilog=SIM_EPILOG, help="simulate a fleet (virtual time)",
                          description="Simulate a Brigade fleet: the real router and schedulers over GPU cost models.")
-    cmds = sim.add_subparsers(dest="sim_command", required=True, metavar="<run>")
+    cmds = sim.add_subparsers(dest="sim_command", required=True, metavar="<run|calibrate>")
     run = cmds.add_parser("run", formatter_class=fmt, epilog=SIM_EPILOG, help="one simulated run",
                           description="Replay a workload on a simulated fleet; writes result.json and report.html "
                                       "in `brigade bench`'s format.")
@@ -91,6 +91,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--output-dir", default="sim-results")
     o.add_argument("--label")
     sim.set_defaults(run="cluster.sim_cmd", make_config=lambda args: None)
+
+    cal = cmds.add_parser("calibrate", formatter_class=fmt, help="fit a profile of this machine",
+                          description="Time prefill and decode steps of the real engine here (CPU, float32) and "
+                                      "fit a roofline device profile: --device FILE.json uses it.",
+                          epilog="example:\n  brigade sim calibrate --preset bench --out this-machine.json\n"
+                                 "  brigade sim run --model bench --device this-machine.json --workload random")
+    cal.add_argument("--preset", default="bench", help="the engine preset to time (default bench)")
+    cal.add_argument("--out", default="this-machine.json", help="where the profile goes")
+    cal.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
 
     p = sub.add_parser("plan", formatter_class=fmt, epilog=PLAN_EPILOG, help="the cheapest fleet meeting an SLO",
                        description="Search P:D ratios, worker counts, TP sizes and routing policies by simulation; "
@@ -158,6 +167,8 @@ def sessions(args: argparse.Namespace) -> tuple[list, str]:
 def run(args: argparse.Namespace, _cfg) -> int:
     from loadtest.metrics import parse_slo
 
+    if args.sim_command == "calibrate":
+        return _calibrate(args)
     slo = parse_slo(args.slo)
     work, kind = sessions(args)
     if args.sim_command == "plan":
@@ -175,6 +186,20 @@ def run(args: argparse.Namespace, _cfg) -> int:
     sim = result["runs"][0]["sim"]
     print(f"simulated {sim['virtual_s']:.1f} s in {sim['wall_s']:.1f} s of wall time; queue share of TTFT "
           f"{sim['mean_queue_share_of_ttft']:.0%}; wrote {json_path} and {html_path}")
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from sim.calibrate import fit, measure
+
+    shape, samples, dtype_bytes = measure(args.preset, threads=args.threads)
+    profile, report = fit(shape, samples, dtype_bytes)
+    Path(args.out).write_text(profile.model_dump_json(indent=1))
+    for e in report["samples"]:
+        print(f"{e['kind']:8s} {e['tokens']:5d} tokens  measured {e['measured_s'] * 1000:8.2f} ms  "
+              f"fitted {e['predicted_s'] * 1000:8.2f} ms  ({e['error']:+.1%})")
+    print(f"peak {profile.peak_flops / 1e9:.1f} GFLOP/s, memory {profile.mem_bw / 1e9:.1f} GB/s, "
+          f"step overhead {profile.step_overhead_s * 1000:.2f} ms; wrote {args.out}")
     return 0
 
 
