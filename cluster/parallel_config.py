@@ -1,20 +1,19 @@
 """The `parallel` section of the cluster config: how many ranks each worker spans."""
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
+from engine.config import Frozen
 from engine.model_config import ModelConfig
 from engine.parallel import ParallelConfig
 from engine.parallel.sharding import ShardPlan
 
 
-class WorkerParallelism(BaseModel):
+class WorkerParallelism(Frozen):
     """prefill_tp: tensor-parallel ranks per prefill worker. decode_tp / decode_ep: tensor- and
     expert-parallel ranks per decode (or, colocated, mixed) worker; both above 1 must be equal
     (experts are split over the same ranks as the heads). timeout_s bounds every collective:
     a worker that lost a rank reports itself down within it and gets no traffic."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     prefill_tp: int = Field(1, ge=1, le=64)
     decode_tp: int = Field(1, ge=1, le=64)

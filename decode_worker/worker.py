@@ -25,7 +25,7 @@ from concurrent.futures import Future
 import torch
 
 from decode_worker.streams import OutputStream
-from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from engine import EngineConfig, LLMEngine, RequestOutput, Role, SamplingParams
 from engine.block_pool import NoFreeBlocks
 from engine.engine_loop import Sink
 from engine.messages import Chunk, GenerateRequest, PrefillResult, Timing
@@ -52,6 +52,8 @@ class DecodeWorker(EngineWorker):
     def __init__(self, worker_id: str, engine_cfg: EngineConfig, transfer_cfg: TransferConfig,
                  publisher: PublisherFactory | None = None):
         """`engine_cfg.role` is DECODE, or MIXED for a colocated worker (whole requests only)."""
+        if engine_cfg.role == Role.PREFILL:
+            raise ValueError(f"{worker_id}: a decode worker's engine runs in decode or mixed role, not prefill")
         super().__init__(worker_id, engine_cfg, publisher)
         self.layout = KVLayout.of_model(self.engine.model_id, self.engine.runner.kv_cache,
                                         self.engine.model_config.num_kv_heads)

@@ -8,7 +8,7 @@ where t_1..t_n are the block's token ids. A hash therefore names the whole prefi
 and including its block, for one model. A request with a cache salt (a tenant's) starts its
 chain from `salted_root(salt)` = SHA-256(b"brigade-salt-v1" || salt (UTF-8)) instead of
 ROOT, so no block of it is ever shared with another salt or with unsalted requests.
-Test vectors are in docs/ARCHITECTURE.md and tests/test_block_hash.py.
+Test vectors are in docs/ARCHITECTURE.md and tests/unit/test_block_hash.py.
 """
 from __future__ import annotations
 

@@ -17,6 +17,9 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+Frozen = _Frozen  # the one frozen, extra-forbidding base of every config (router/ and cluster/ too)
+
+
 class Role(str, Enum):
     """What an engine does with a request.
 

@@ -1,7 +1,7 @@
 """KV transfer between different tensor-parallel sizes (prefill TP=a, decode TP=b).
 
 A rank of a TP group holds only its KV heads (the rule of engine.parallel.sharding, repeated
-here so kv_transfer needs no engine import; tests/test_reshard.py checks the two agree):
+here so kv_transfer needs no engine import; tests/integration/test_reshard.py checks the two agree):
 with Hkv >= tp, rank r holds heads [r*Hkv/tp, (r+1)*Hkv/tp); with Hkv < tp each head is
 replicated and rank r holds head r*Hkv//tp.
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable
 from typing import Protocol, TypeVar
 
-from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
-
 from engine.engine_loop import EngineDied
 from engine.messages import Chunk, GenerateRequest, PrefillResult, WorkerHealth
 from router.errors import WorkerLost
@@ -65,6 +63,9 @@ class WorkerClient(Protocol):
 
 def worker_died(exc: BaseException) -> bool:
     """A call failed because the worker is gone, not because of the request."""
+    # Imported here, not above: the router's own modules (and their unit tests) load no Ray.
+    from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
+
     while isinstance(exc, RayTaskError) and exc.cause is not None and exc.cause is not exc:
         exc = exc.cause  # a worker's own exception, as Ray hands it on
     return isinstance(exc, (RayActorError, ObjectLostError, EngineDied))

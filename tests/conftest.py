@@ -1,11 +1,16 @@
-"""Shared test setup: a private preset cache, and GPU tests skipped cleanly without CUDA."""
+"""Shared test setup for every tier (unit/, integration/, chaos/): tests/ on the import path (its
+helper modules: helpers, support, worker_fakes, cluster_helpers, ...), a private preset cache,
+GPU tests skipped cleanly without CUDA, HF checkpoints, and the one cluster factory (ray_cluster)."""
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the helper modules, from any tier
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -89,3 +94,37 @@ def redis_server():
     srv = EmbeddedRedis(port=port).start()
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """The one way a test module starts clusters: `ray_cluster(redis_url=None, **overrides)`
+    launches `ClusterConfig(num_cpus=2, 512 KV blocks per worker)` with `overrides` on top (a
+    top-level key replaces that section) on the module's one local Ray, and returns the
+    cluster.launch.Cluster. Every cluster it made is shut down, then Ray, when the module ends
+    (a test may shut one down earlier itself). Ray's CPUs are bookkeeping only: 8, room for
+    two clusters at once."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    from cluster.config import ClusterConfig
+    from cluster.launch import launch, start_ray
+
+    start_ray(ClusterConfig(num_cpus=4))
+    made = []
+
+    def make(redis_url: str | None = None, **overrides):
+        cfg = ClusterConfig(**{"num_cpus": 2, "engine": {"cache": {"num_blocks": 512}}, **overrides})
+        made.append(launch(cfg, redis_url))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for cl in made:
+            try:
+                cl.shutdown()
+            except Exception:  # shut down by its test already, or its actors died with the test
+                pass
+        ray.shutdown()

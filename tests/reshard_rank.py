@@ -1,5 +1,5 @@
 """One rank of a prefill or decode group for the heterogeneous-TP transfer tests
-(tests/test_reshard.py), run as its own process. Argument: one JSON object.
+(tests/integration/test_reshard.py), run as its own process. Argument: one JSON object.
 
 prefill: prefills every prompt (greedy: the first token), then each rank sends its KV heads of the
   request straight to the decode ranks reshard.plan assigns (rank 0 from read_local, the

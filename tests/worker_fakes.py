@@ -6,6 +6,7 @@ behind it). `router_over` hands the fakes straight to the pool, with no health l
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from engine.messages import Chunk, GenerateRequest, PrefillResult, WorkerHealth
@@ -19,7 +20,8 @@ class FakeWorker:
         self.worker_id, self.role = worker_id, role
         self.requests: list[GenerateRequest] = []
         self.aborted: list[str] = []
-        self.peers: list[str] = []
+        self.peers: list[str] = []  # the decode workers a prefill fake connected to
+        self._queue: asyncio.Queue | None = None
 
     async def health(self) -> WorkerHealth:
         return WorkerHealth(self.worker_id, self.role, alive=True, model_id="fake", block_size=16, free_blocks=64)
@@ -42,13 +44,20 @@ class FakeWorker:
         self.aborted.append(request_id)
 
     async def address(self):
-        return ("127.0.0.1", 0)
+        return self  # a fake's address is the fake: connect() knocks on it directly
 
     async def accept(self) -> str:
-        return self.peers[-1] if self.peers else ""
+        return await self._callers().get()
 
     async def connect(self, decode_id: str, address) -> None:
+        address._callers().put_nowait(self.worker_id)
         self.peers.append(decode_id)
+
+    def _callers(self) -> asyncio.Queue:
+        """Prefill workers that connected and are not accepted yet (made on the running loop)."""
+        if self._queue is None:
+            self._queue = asyncio.Queue()
+        return self._queue
 
     async def disconnect(self, peer_id: str) -> None:
         pass

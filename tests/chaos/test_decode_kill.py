@@ -17,8 +17,6 @@ import time
 import pytest
 import ray
 
-from cluster.config import ClusterConfig
-from cluster.launch import launch, start_ray
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from engine.messages import GenerateRequest
 from router.errors import StreamBroken
@@ -39,16 +37,8 @@ def prompts(run: int) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    start_ray(ClusterConfig(num_cpus=4))
-    cl = launch(ClusterConfig(num_cpus=2, prefill=1, decode=2, engine={"cache": {"num_blocks": 512}}))
-    try:
-        yield cl
-    finally:
-        cl.shutdown()
-        ray.shutdown()
+def cluster(ray_cluster):
+    return ray_cluster(prefill=1, decode=2)
 
 
 @pytest.fixture(scope="module")

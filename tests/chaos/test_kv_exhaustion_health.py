@@ -16,15 +16,12 @@ benchmarks/results/chaos.json (tests/chaos/conftest.py). Each test prints its fi
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import time
 
 import pytest
 import ray
 
-from cluster.config import ClusterConfig
-from cluster.launch import launch, start_ray
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from engine.messages import GenerateRequest
 from router.index.query import PrefixIndex
@@ -32,7 +29,8 @@ from router.index.registry import connect
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
-FULL = os.environ.get("BRIGADE_CHAOS_FULL") == "1"
+from support import FULL  # noqa: E402  (tests/ is on the path: tests/conftest.py)
+
 STREAMS = 32 if FULL else 8
 VOCAB = 4096  # the tiny preset's
 NUM_BLOCKS = 16  # per worker; one stream needs up to 7 blocks of 16 tokens
@@ -41,18 +39,10 @@ PARAMS = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def cluster(redis_server):
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    start_ray(ClusterConfig(num_cpus=4))
-    cl = launch(ClusterConfig(num_cpus=2, mode="colocated", decode=2, engine={"cache": {"num_blocks": NUM_BLOCKS}},
-                              index={"lease_ttl_s": 3.0, "key_prefix": f"chaos{random.randrange(1 << 30)}"},
-                              router={"health_interval_s": HEALTH_INTERVAL_S}), redis_server.url)
-    try:
-        yield cl
-    finally:
-        cl.shutdown()
-        ray.shutdown()
+def cluster(ray_cluster, redis_server):
+    return ray_cluster(redis_server.url, mode="colocated", decode=2, engine={"cache": {"num_blocks": NUM_BLOCKS}},
+                       index={"lease_ttl_s": 3.0, "key_prefix": f"chaos{random.randrange(1 << 30)}"},
+                       router={"health_interval_s": HEALTH_INTERVAL_S})
 
 
 async def collect(router, rid: str, prompt: list[int]):

@@ -17,7 +17,6 @@ CI runs reduced counts; BRIGADE_CHAOS_FULL=1 runs 1,000 flips of each kind.
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
 import shutil
 import subprocess
@@ -31,14 +30,13 @@ import pytest
 import ray
 import torch
 import torch.distributed as dist
+from cluster_helpers import disaggregate
 from kv_fault_proxy import Fault, ProxiedStore, gloo_ports, proxied_pair
 from ray_processes import actor_processes
-from test_cluster import disaggregate, wait_for
+from support import wait_for
 
-from cluster.config import ClusterConfig
-from cluster.launch import launch, start_ray
 from decode_worker import DecodeWorker
-from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+from engine import CacheConfig, EngineConfig, LLMEngine, Role, SamplingParams
 from engine.messages import GenerateRequest
 from kv_transfer import (
     ChannelClosed,
@@ -56,7 +54,8 @@ from prefill_worker import PrefillWorker
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
-FULL = os.environ.get("BRIGADE_CHAOS_FULL") == "1"
+from support import FULL  # noqa: E402  (tests/ is on the path: tests/conftest.py)
+
 FLIPS = 1000 if FULL else 60
 LAYOUT = KVLayout("tiny", num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32)
 NUM_TOKENS = 64  # 4 blocks: a 16 KiB payload
@@ -229,7 +228,8 @@ def proxied_workers():
     rendezvous._pair_link = via_proxy
     transfer = TransferConfig(backend="gloo", timeout_s=TIMEOUT_S, connect_timeout_s=30.0)
     cfg = EngineConfig(model="tiny", num_threads=1, cache=CacheConfig(num_blocks=128))
-    prefill, decode = PrefillWorker("prefill-x", cfg, transfer), DecodeWorker("decode-x", cfg, transfer)
+    prefill = PrefillWorker("prefill-x", cfg, transfer)
+    decode = DecodeWorker("decode-x", cfg.model_copy(update={"role": Role.DECODE}), transfer)
 
     def pair_up():
         with ThreadPoolExecutor(1) as pool:
@@ -296,17 +296,8 @@ def _kill_socket(conn) -> bool:
 # --- cluster: reset the real KV link between two Ray actors ---------------------------------------
 
 @pytest.fixture(scope="module")
-def cluster():
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    start_ray(ClusterConfig(num_cpus=4))
-    cl = launch(ClusterConfig(num_cpus=2, prefill=1, decode=1, engine={"cache": {"num_blocks": 256}},
-                              transfer={"timeout_s": 5.0}))
-    try:
-        yield cl
-    finally:
-        cl.shutdown()
-        ray.shutdown()
+def cluster(ray_cluster):
+    return ray_cluster(prefill=1, decode=1, engine={"cache": {"num_blocks": 256}}, transfer={"timeout_s": 5.0})
 
 
 def kv_link_connections(cluster, pair: int) -> list:

@@ -8,14 +8,12 @@ calling the worker actors directly, as a router that died between its two calls 
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 import ray
-from test_cluster import cluster_config, collect, pool_whole, wait_for
+from cluster_helpers import collect, pool_whole
+from support import wait_for
 
-from cluster.config import ClusterConfig
-from cluster.launch import launch, start_ray
 from engine import SamplingParams
 from engine.messages import GenerateRequest
 
@@ -23,16 +21,8 @@ HOLD_S = 3.0
 
 
 @pytest.fixture(scope="module")
-def cluster(torch_single_thread):
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    start_ray(ClusterConfig(num_cpus=2))
-    cl = launch(cluster_config(prefill=1, decode=1, transfer={"backend": "gloo", "hold_timeout_s": HOLD_S}))
-    try:
-        yield cl
-    finally:
-        cl.shutdown()
-        ray.shutdown()
+def cluster(torch_single_thread, ray_cluster):
+    return ray_cluster(prefill=1, decode=1, transfer={"backend": "gloo", "hold_timeout_s": HOLD_S})
 
 
 @pytest.mark.timeout(120)

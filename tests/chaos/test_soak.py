@@ -32,12 +32,10 @@ import time
 
 import psutil
 import pytest
-import ray
 from ray_processes import actor_processes
 from test_decode_kill import VOCAB
 
-from cluster.config import ClusterConfig, SupervisorConfig
-from cluster.launch import launch, start_ray
+from cluster.config import SupervisorConfig
 from cluster.supervisor import Supervisor
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from engine.messages import GenerateRequest
@@ -204,16 +202,8 @@ def leaked_blocks(cluster, timeout_s: float = 60.0) -> tuple[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    start_ray(ClusterConfig(num_cpus=4))
-    cl = launch(ClusterConfig(num_cpus=2, prefill=2, decode=2, engine={"cache": {"num_blocks": NUM_BLOCKS}}))
-    try:
-        yield cl
-    finally:
-        cl.shutdown()
-        ray.shutdown()
+def cluster(ray_cluster):
+    return ray_cluster(prefill=2, decode=2, engine={"cache": {"num_blocks": NUM_BLOCKS}})
 
 
 @pytest.mark.timeout(DURATION_S + 900)

@@ -14,16 +14,15 @@ until the new group has served a request; the streams' outcomes.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import time
 
 import pytest
 import ray
+from support import wait_for
 from test_decode_kill import VOCAB, wait_pools_whole
 
-from cluster.config import ClusterConfig, SupervisorConfig
-from cluster.launch import launch, start_ray
+from cluster.config import SupervisorConfig
 from cluster.supervisor import Supervisor
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from engine.messages import GenerateRequest
@@ -39,25 +38,13 @@ STREAM_DEADLINE_S = 90.0  # a stream still open then is hung
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    start_ray(ClusterConfig(num_cpus=4))
-    cl = launch(ClusterConfig(num_cpus=3, prefill=1, decode=2, engine={"cache": {"num_blocks": 512}},
-                              parallel={"decode_tp": 2, "timeout_s": TIMEOUT_S}))
-    try:
-        yield cl
-    finally:
-        cl.shutdown()
-        ray.shutdown()
+def cluster(ray_cluster):
+    return ray_cluster(num_cpus=3, prefill=1, decode=2, parallel={"decode_tp": 2, "timeout_s": TIMEOUT_S})
 
 
 def wait_until(what: str, check, timeout_s: float) -> float:
-    """Poll `check` until true; the monotonic time it became true."""
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:.0f} s"
-        time.sleep(0.05)
+    """wait_for(check), then the monotonic time it became true."""
+    wait_for(check, timeout_s, what, interval_s=0.05)
     return time.monotonic()
 
 

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import random
-import time
 import uuid
 from collections.abc import Iterator
 
 import pytest
 import redis
+from support import wait_for
 
 from cluster.redis_server import EmbeddedRedis
 from engine.block_hash import chain_hashes
@@ -60,13 +60,6 @@ def reference_hit(held: dict[bytes, int], hashes: list[bytes]) -> PrefixHit:
     return PrefixHit(n, dev, host, disk)
 
 
-def wait_until(cond, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -114,7 +107,7 @@ def test_new_epoch_and_expired_lease_drop_entries(server: EmbeddedRedis, cfg: In
     b_events.pending.append(CacheEvent("stored", "host", tuple(hashes[:3])))
     a.start(), b.start()
     try:
-        assert wait_until(lambda: index.query(hashes, index.live_epochs())["b"] == PrefixHit(3, 0, 3, 0))
+        assert wait_for(lambda: index.query(hashes, index.live_epochs())["b"] == PrefixHit(3, 0, 3, 0))
         assert index.query(hashes, index.live_epochs())["a"] == PrefixHit(10, 10, 0, 0)
         old = index.live_epochs()
         # `a` restarts: a new registration (epoch) whose cache is empty. Its old entries stop counting.
@@ -131,7 +124,7 @@ def test_new_epoch_and_expired_lease_drop_entries(server: EmbeddedRedis, cfg: In
         b._stop.set()
         b._thread.join()
         assert "b" in index.live_epochs()
-        assert wait_until(lambda: "b" not in index.live_epochs(), timeout_s=5)
+        assert wait_for(lambda: "b" not in index.live_epochs(), timeout_s=5)
         assert "b" not in index.query(hashes, index.live_epochs())
     finally:
         a.stop()
@@ -147,24 +140,24 @@ def test_resync_flag_and_redis_restart_republish(cfg: IndexConfig) -> None:
     pub.start()
     index = PrefixIndex(connect(srv.url), cfg.key_prefix, MODEL)
     try:
-        assert wait_until(lambda: index.query(hashes, index.live_epochs()).get("p0") == PrefixHit(16, 16, 0, 0))
+        assert wait_for(lambda: index.query(hashes, index.live_epochs()).get("p0") == PrefixHit(16, 16, 0, 0))
         # Someone deletes entries behind the worker's back, then asks for a resync: they come back.
         index.redis.delete(index.keys.block(hashes[0]))
         assert index.query(hashes, index.live_epochs())["p0"] == PrefixHit()
         resyncs = pub.resyncs
         index.request_resync("p0")
-        assert wait_until(lambda: index.query(hashes, index.live_epochs())["p0"].blocks == 16)
+        assert wait_for(lambda: index.query(hashes, index.live_epochs())["p0"].blocks == 16)
         assert pub.resyncs == resyncs + 1
 
         epoch = index.live_epochs()["p0"]
         srv.stop()  # Redis dies and comes back empty on the same port
-        assert wait_until(lambda: not pub.connected)
+        assert wait_for(lambda: not pub.connected)
         events.pending.append(CacheEvent("removed", "device", tuple(hashes[8:])))  # the cache moves on meanwhile
         srv = EmbeddedRedis(port=port).start()
-        assert wait_until(lambda: pub.connected)
-        assert wait_until(lambda: "p0" in index.live_epochs())  # registered again (epochs restart with Redis)
+        assert wait_for(lambda: pub.connected)
+        assert wait_for(lambda: "p0" in index.live_epochs())  # registered again (epochs restart with Redis)
         assert pub.epoch == index.live_epochs()["p0"] and epoch >= 1
-        assert wait_until(lambda: index.query(hashes, index.live_epochs())["p0"] == PrefixHit(8, 8, 0, 0))
+        assert wait_for(lambda: index.query(hashes, index.live_epochs())["p0"] == PrefixHit(8, 8, 0, 0))
     finally:
         pub.stop()
         srv.stop()
@@ -182,7 +175,7 @@ def test_acl_user_limited_to_the_prefix(server: EmbeddedRedis, cfg: IndexConfig)
     pub.start()
     try:
         index = PrefixIndex(connect(url), cfg.key_prefix, MODEL)
-        assert wait_until(lambda: index.query(hashes, index.live_epochs()).get("acl-w") == PrefixHit(5, 0, 0, 5))
+        assert wait_for(lambda: index.query(hashes, index.live_epochs()).get("acl-w") == PrefixHit(5, 0, 0, 5))
         with pytest.raises(redis.exceptions.NoPermissionError):
             index.redis.get("outside")  # the user really is confined to the prefix
     finally:
@@ -201,7 +194,7 @@ def test_salted_chains_never_meet_in_the_index(server: EmbeddedRedis, cfg: Index
     pub.start()
     try:
         index = PrefixIndex(connect(server.url), cfg.key_prefix, MODEL)
-        assert wait_until(lambda: index.query(acme, index.live_epochs()).get("s0") == PrefixHit(8, 8, 0, 0))
+        assert wait_for(lambda: index.query(acme, index.live_epochs()).get("s0") == PrefixHit(8, 8, 0, 0))
         for other in (chain_hashes(tokens, 4, MODEL), chain_hashes(tokens, 4, MODEL, parent=salted_root("globex")),
                       chain_hashes(tokens, 4, "tiny-moe", parent=salted_root("acme"))):
             assert index.query(other, index.live_epochs())["s0"] == PrefixHit()
@@ -220,7 +213,7 @@ def test_a_worker_started_while_redis_is_down_registers_when_it_returns(cfg: Ind
         assert not pub.connected and pub.epoch is None
         srv.start()
         index = PrefixIndex(connect(srv.url), cfg.key_prefix, MODEL)
-        assert wait_until(lambda: index.query(chain_hashes(list(range(8)), 4, MODEL),
+        assert wait_for(lambda: index.query(chain_hashes(list(range(8)), 4, MODEL),
                                               index.live_epochs()).get("late") == PrefixHit(2, 2, 0, 0))
         assert pub.connected
     finally:
@@ -250,7 +243,7 @@ def test_a_plain_prefill_worker_publishes_its_engine_cache_and_ends_its_lease(se
         done = worker.prefill(GenerateRequest("r", prompt, SamplingParams(max_tokens=2))).result(timeout=60)
         assert done.usage.prompt_tokens == 70
         hashes = chain_hashes(prompt, 16, MODEL)
-        assert wait_until(lambda: index.query(hashes, index.live_epochs())["pw"] == PrefixHit(4, 4, 0, 0))
+        assert wait_for(lambda: index.query(hashes, index.live_epochs())["pw"] == PrefixHit(4, 4, 0, 0))
         assert worker.health().index["blocks"] == 4
     finally:
         worker.close()
@@ -281,7 +274,7 @@ def tls_redis(tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={cert}"
-        assert wait_until(lambda: _answers(url)), "the TLS redis-server did not come up"
+        assert wait_for(lambda: _answers(url)), "the TLS redis-server did not come up"
         yield url, port
     finally:
         proc.terminate()
@@ -304,7 +297,7 @@ def test_the_index_works_over_tls(tls_redis, cfg: IndexConfig) -> None:
     try:
         index = PrefixIndex(connect(url), cfg.key_prefix, MODEL)
         assert index.redis.connection_pool.connection_class is redis.connection.SSLConnection
-        assert wait_until(lambda: index.query(hashes, index.live_epochs()).get("tls-w") == PrefixHit(3, 0, 3, 0))
+        assert wait_for(lambda: index.query(hashes, index.live_epochs()).get("tls-w") == PrefixHit(3, 0, 3, 0))
     finally:
         pub.stop()
     with pytest.raises(RegistryError, match="cannot reach Redis"):  # plain text to a TLS port: refused, said so

@@ -9,7 +9,6 @@ needs no model (auth, TLS, retries, message limits) is in test_grpc_door.py.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import threading
 import time
@@ -21,10 +20,9 @@ import ray
 from brigade_client import AsyncClient, Client, DeadlineExceeded, ResourceExhausted, Unavailable
 from brigade_client.v1 import brigade_pb2 as pb
 from invalid_cases import CASES, Limits
+from support import wait_for
 
 from cluster.backend import ClusterBackend
-from cluster.config import ClusterConfig
-from cluster.launch import launch, start_ray
 from router.config import FrontDoorConfig
 from router.grpc.server import GrpcServer
 from router.metrics import FrontDoorMetrics
@@ -48,17 +46,11 @@ class CountingBackend(ClusterBackend):
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    cfg = ClusterConfig(num_cpus=2, engine={"cache": {"num_blocks": NUM_BLOCKS}})
-    start_ray(ClusterConfig(num_cpus=2))
-    cl = launch(cfg)
-    backend = CountingBackend(cfg)
+def cluster(ray_cluster):
+    cl = ray_cluster(engine={"cache": {"num_blocks": NUM_BLOCKS}})
+    backend = CountingBackend(cl.cfg)
     backend.attach(cl)
-    yield cl, backend
-    cl.shutdown()
-    ray.shutdown()
+    return cl, backend
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +78,6 @@ def pools_whole(cl) -> bool:
                and s["reserved"] == s["prefilled"] == 0 and s.get("pinned_exports", 0) == 0 for s in stats)
 
 
-def wait_for(predicate, timeout_s: float = 15.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} not reached within {timeout_s:g}s"
-        time.sleep(0.1)
 
 
 def router_idle(cl) -> bool:

@@ -14,7 +14,7 @@ import pytest
 from cluster import cli
 from loadtest import report
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: openai_stub, shared_data
 from openai_stub import BLOCK, OpenAIStub  # noqa: E402
 from shared_data import shared_data  # noqa: E402
 
@@ -189,7 +189,7 @@ def test_the_load_generator_needs_no_engine_torch_or_ray() -> None:
 
     code = ("import json, sys; import loadtest.cli, loadtest.runner, loadtest.report, loadtest.compare, "
             "loadtest.targets.openai_http; print(json.dumps(sorted({m.partition('.')[0] for m in sys.modules})))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     loaded = set(json.loads(proc.stdout.splitlines()[-1]))

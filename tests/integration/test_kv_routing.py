@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import pytest
 import ray
+from support import wait_for
 
-from cluster.config import ClusterConfig
-from cluster.launch import launch, start_ray
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from engine.messages import Chunk, GenerateRequest
 from router.actor import RouterActor
@@ -31,13 +29,6 @@ PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    start_ray(ClusterConfig(num_cpus=4))
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def cold() -> dict[str, list[int]]:
     """Every prompt's tokens from one cold engine in this process, no prefix cache."""
     engine = LLMEngine(EngineConfig(model="tiny", num_threads=1,
@@ -47,10 +38,11 @@ def cold() -> dict[str, list[int]]:
     return {rid: o.token_ids for rid, o in zip(rids, outs)}
 
 
-def config(**overrides) -> ClusterConfig:
-    return ClusterConfig(**{"num_cpus": 2, "engine": {"cache": {"num_blocks": 256}},
-                            "index": {"lease_ttl_s": 3.0, "key_prefix": f"kv{rng.randrange(1 << 30)}"},
-                            "router": {"health_interval_s": 0.3}, **overrides})
+def config(**overrides) -> dict:
+    """ray_cluster overrides: small pools, a short lease, a fresh key prefix, quick health checks."""
+    return {"engine": {"cache": {"num_blocks": 256}},
+            "index": {"lease_ttl_s": 3.0, "key_prefix": f"kv{rng.randrange(1 << 30)}"},
+            "router": {"health_interval_s": 0.3}, **overrides}
 
 
 async def collect(router, rid: str, prompt: list[int], salt: str | None = None) -> tuple[list[int], Chunk]:
@@ -67,13 +59,6 @@ def run(router, requests: list[tuple[str, list[int]]], salt: str | None = None) 
     return dict(zip([r for r, _ in requests], asyncio.run(asyncio.wait_for(main(), 120))))
 
 
-def wait_for(pred, timeout_s: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def indexed(index: PrefixIndex, prompt: list[int], worker: str, salt: str | None = None) -> bool:
@@ -85,10 +70,8 @@ def indexed(index: PrefixIndex, prompt: list[int], worker: str, salt: str | None
 
 
 @pytest.fixture(scope="module")
-def disagg(ray_local, redis_server):
-    cl = launch(config(prefill=2, decode=1), redis_server.url)
-    yield cl
-    cl.shutdown()
+def disagg(ray_cluster, redis_server):
+    return ray_cluster(redis_server.url, **config(prefill=2, decode=1))
 
 
 def test_a_shared_prefix_goes_back_to_its_prefill_worker(disagg, redis_server, cold):
@@ -141,8 +124,8 @@ def test_redis_restart_mid_run_requests_keep_succeeding_and_the_index_recovers(d
         assert last.usage.cached_tokens >= 160, (last.prefill_worker, home)  # b3 ran there too: maybe 176
 
 
-def test_two_routers_share_one_index(ray_local, redis_server, cold):
-    cl = launch(config(mode="colocated", decode=2), redis_server.url)
+def test_two_routers_share_one_index(ray_cluster, redis_server, cold):
+    cl = ray_cluster(redis_server.url, **config(mode="colocated", decode=2))
     try:
         other = RouterActor.options(num_cpus=0, max_concurrency=100).remote(cl.cfg.router, True, cl.index)
         for wid, handle in cl.workers.items():

@@ -27,7 +27,7 @@ from serve_process import RAY_ENV, Served, brigade_serve
 from cluster import cli
 from cluster.config import PER_WORKER, ClusterConfig, load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SERVE = ["--http-port", "0", "--grpc-port", "0", "--num-blocks", "256"]
 SERVE_CMD = [sys.executable, "-m", "cluster.cli", "serve", *SERVE]
 TEXT = {"prompt": "hello world", "max_tokens": 8, "temperature": 0}

@@ -30,7 +30,7 @@ from router.errors import NoWorker, Overloaded
 from router.grpc.server import GrpcServer
 from router.metrics import FrontDoorMetrics
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOKEN, OTHER = "acme-" + "a" * 20, "zeta-" + "z" * 20
 
 

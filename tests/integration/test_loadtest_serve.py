@@ -13,7 +13,7 @@ from serve_process import brigade_serve
 
 from cluster import cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SERVE = [sys.executable, "-m", "cluster.cli", "serve", "--http-port", "0", "--num-blocks", "256"]
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 

@@ -90,7 +90,7 @@ def test_kill_during_disk_writes_leaves_no_readable_partial_file(tmp_path):
     rng = random.Random(0)
     for _ in range(3):  # each run pays a torch import; three kills at random points
         proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)], stdout=subprocess.PIPE,
-                                env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+                                env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
         assert proc.stdout.readline().strip() == b"ready"
         time.sleep(rng.uniform(0.05, 0.4))
         proc.send_signal(signal.SIGKILL)

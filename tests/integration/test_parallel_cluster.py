@@ -6,14 +6,11 @@ suite (tests/chaos/test_tp_rank_kill.py).
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 import ray
-from test_cluster import BS, NUM_BLOCKS, PARAMS, PROMPTS, collect
+from cluster_helpers import BS, NUM_BLOCKS, PARAMS, PROMPTS, collect
 
-from cluster.config import ClusterConfig
-from cluster.launch import launch, start_ray
 from engine import CacheConfig, EngineConfig, LLMEngine
 from engine.model_config import ModelConfig
 from engine.presets import resolve_model
@@ -23,15 +20,9 @@ IDS = [0, 2, 5, 7, 11]  # prompts of 1, 15, 31, 64 and 203 tokens
 
 
 @pytest.fixture(scope="module")
-def group_cluster():
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    start_ray(ClusterConfig(num_cpus=4))
-    cl = launch(ClusterConfig(num_cpus=3, engine={"cache": {"num_blocks": NUM_BLOCKS}},
-                              parallel={"prefill_tp": 2, "decode_tp": 2, "timeout_s": 10.0}))
-    yield cl
-    cl.shutdown()
-    ray.shutdown()
+def group_cluster(ray_cluster):
+    return ray_cluster(num_cpus=3, engine={"cache": {"num_blocks": NUM_BLOCKS}},
+                       parallel={"prefill_tp": 2, "decode_tp": 2, "timeout_s": 10.0})
 
 
 def block_bytes() -> int:

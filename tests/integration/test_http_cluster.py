@@ -8,7 +8,6 @@ mid-stream gets its request aborted and every KV block back on both workers.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import threading
 import time
@@ -21,8 +20,7 @@ import ray
 from invalid_cases import CASES, Limits
 
 from cluster.backend import ClusterBackend
-from cluster.config import ClusterConfig
-from cluster.launch import Cluster, launch
+from cluster.launch import Cluster
 from router.auth import Authenticator
 from router.http.server import ApiServer
 from router.metrics import FrontDoorMetrics
@@ -53,13 +51,10 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[Served]:
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    cfg = ClusterConfig(num_cpus=2, engine={"cache": {"num_blocks": NUM_BLOCKS}})
-    backend = CountingBackend(cfg)
+def served(ray_cluster) -> Iterator[Served]:
+    cluster = ray_cluster(engine={"cache": {"num_blocks": NUM_BLOCKS}})
+    backend = CountingBackend(cluster.cfg)
     server = ApiServer("127.0.0.1", 0, metrics=FrontDoorMetrics(), auth=Authenticator({TOKEN: "acme", OTHER: "zeta"}))
-    cluster = launch(cfg)
     try:
         backend.attach(cluster)
         server.backend = backend
@@ -69,8 +64,6 @@ def served() -> Iterator[Served]:
     finally:
         server.shutdown()
         server.server_close()
-        cluster.shutdown()
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """The `brigade` command line end to end: generate, bad inputs, help. (`brigade serve`, which
-starts the cluster, is tests/test_serve.py.)
+starts the cluster, is tests/integration/test_serve.py.)
 
 Every CLI process imports torch and loads the tiny preset (seconds on a shared CPU), so the
 real-process runs start together once per module and tests share their results. Bad inputs
@@ -18,7 +18,7 @@ import pytest
 
 from cluster import cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "cluster.cli"]
 SMALL_POOL = ["--num-blocks", "256"]  # the CPU default is a 256 MiB pool; tests need a few blocks
 TEXT_PROMPT = "hello world"

@@ -13,45 +13,26 @@ The first tests drive the plain worker classes in this process, without Ray.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
+from cluster_helpers import BS, NUM_BLOCKS, PARAMS, PROMPTS, VOCAB, collect, disaggregate, pool_whole
+from support import wait_for
 
-from cluster.config import ClusterConfig
-from cluster.launch import launch, start_ray
 from decode_worker import DecodeWorker
-from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
-from engine.messages import Aborted, Chunk, GenerateRequest, Timing
+from engine import CacheConfig, EngineConfig, LLMEngine, Role, SamplingParams
+from engine.messages import Aborted, Chunk, GenerateRequest
 from kv_transfer import LayoutMismatch, RefuseReason, TransferConfig
 from prefill_worker import PrefillWorker
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
-BS = 16  # the cluster's default block size
-NUM_BLOCKS = 512
 TRANSFER = TransferConfig(backend="gloo", timeout_s=20.0, connect_timeout_s=30.0)
-VOCAB = 4096  # the tiny preset's
 
 
-def make_workload(n: int = 32, seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
-    """`n` greedy requests: prompts of 1..~200 tokens (every fourth extends one shared 40-token
-    prefix, so prefix caches hit), max_tokens 4..24."""
-    rng = random.Random(seed)
-    shared = [rng.randrange(3, VOCAB) for _ in range(40)]
-    lengths = [1, 2, 15, 16, 17, 31, 33, 64, 100, 150, 199, 203] + [rng.randrange(1, 200) for _ in range(n - 12)]
-    prompts = []
-    for i, n_tokens in enumerate(lengths[:n]):
-        tail = [rng.randrange(3, VOCAB) for _ in range(n_tokens)]
-        prompts.append(shared + tail[: max(1, n_tokens - 40)] if i % 4 == 3 else tail)
-    params = [SamplingParams(max_tokens=rng.randrange(4, 25), temperature=0.0, ignore_eos=True) for _ in prompts]
-    return prompts, params
-
-
-PROMPTS, PARAMS = make_workload()
 # Prefilled in two steps of 2048 tokens: long enough for an abort to land while it prefills.
 LONG_PROMPT = [random.Random(1).randrange(3, VOCAB) for _ in range(3000)]
 
@@ -65,12 +46,6 @@ def reference() -> tuple[list[list[int]], int]:
     return [o.token_ids for o in outs], kv[:, :, 0].numel() * kv.element_size()
 
 
-def pool_whole(stats: dict) -> bool:
-    return (stats["free_blocks"] == stats["num_blocks"] and stats["referenced_blocks"] == 0
-            and stats["reserved"] == stats["prefilled"] == stats["running"] == stats["waiting"] == 0
-            and stats.get("pinned_exports", 0) == 0)
-
-
 # --- plain worker classes in this process (no Ray) ----------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -79,8 +54,9 @@ def plain_workers():
     KV blocks hold 8 tokens instead of 16 (a different layout)."""
     cfg = EngineConfig(model="tiny", num_threads=1, cache=CacheConfig(num_blocks=256))
     prefill = PrefillWorker("prefill-p", cfg, TRANSFER)
-    decode = DecodeWorker("decode-p", cfg, TRANSFER)
-    odd = DecodeWorker("decode-odd", cfg.model_copy(update={"cache": CacheConfig(num_blocks=256, block_size=8)}),
+    decoding = cfg.model_copy(update={"role": Role.DECODE})  # as cluster.config.worker_config gives it
+    decode = DecodeWorker("decode-p", decoding, TRANSFER)
+    odd = DecodeWorker("decode-odd", decoding.model_copy(update={"cache": CacheConfig(num_blocks=256, block_size=8)}),
                        TRANSFER)
     with ThreadPoolExecutor(1) as pool:
         for d in (decode, odd):
@@ -90,26 +66,6 @@ def plain_workers():
     yield prefill, decode, odd
     for w in (prefill, decode, odd):
         w.close()
-
-
-def disaggregate(prefill: PrefillWorker, decode: DecodeWorker, rid: str, prompt: list[int],
-                 params: SamplingParams) -> tuple[list[int], Timing]:
-    """One request through the plain workers as the router drives them: prefill, reserve, then
-    the decode worker's own stream (pull, admit, or recompute when the transfer fails).
-    Returns (tokens, the transfer's timing)."""
-    req = GenerateRequest(rid, prompt, params)
-    first = prefill.prefill(req).result(timeout=30)
-    assert decode.reserve(rid, len(prompt))
-
-    async def push() -> bool:
-        return prefill.push(rid, decode.worker_id)
-
-    async def stream() -> list[Chunk]:
-        return [c async for c in decode.stream(req, first, prefill.worker_id, push)]
-
-    chunks = asyncio.run(asyncio.wait_for(stream(), 60))
-    assert chunks[-1].finished and chunks[0].timing is not None
-    return [first.first_token_id, *(t for c in chunks for t in c.token_ids)], chunks[0].timing
 
 
 @pytest.mark.timeout(120)
@@ -174,30 +130,6 @@ def test_kv_nobody_collects_is_freed_after_the_hold_timeout(plain_workers):
 
 # --- Ray clusters -------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def ray_local():
-    """One local Ray instance for the module, with CPU bookkeeping for every cluster here."""
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    start_ray(ClusterConfig(num_cpus=4))  # 8 Ray CPUs: room for the clusters' 2 each, and more
-    yield ray
-    ray.shutdown()
-
-
-def cluster_config(**overrides) -> ClusterConfig:
-    # num_cpus=2: each worker runs one torch thread; the two cores are shared with everything.
-    return ClusterConfig(**{"num_cpus": 2, "engine": {"cache": {"num_blocks": NUM_BLOCKS}}, **overrides})
-
-
-async def collect(router, rid: str, prompt: list[int], params: SamplingParams) -> tuple[list[int], Chunk]:
-    """Stream one request through the router: (all tokens, the last chunk)."""
-    tokens, last = [], None
-    async for ref in router.generate.remote(GenerateRequest(rid, prompt, params)):
-        last = await ref
-        tokens += last.token_ids
-    return tokens, last
-
-
 def run_requests(cluster, ids: list[int], tag: str, timeout_s: float = 90.0) -> list[tuple[list[int], Chunk]]:
     """Workload requests `ids`, all at once, as `<tag>-<id>`; results in order."""
     async def main():
@@ -245,15 +177,6 @@ def ray_get(ref, timeout_s: float = 30.0):
     return ray.get(ref, timeout=timeout_s)
 
 
-def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout_s:g}s")
-        time.sleep(0.1)
 
 
 def wait_pools_whole(cluster, timeout_s: float = 10.0) -> dict:
@@ -270,8 +193,8 @@ def ensure_workers(cluster, role: str, count: int) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_colocated_cluster_gives_the_same_tokens_and_aborts_cleanly(ray_local, reference):
-    cluster = launch(cluster_config(mode="colocated", decode=2))
+def test_colocated_cluster_gives_the_same_tokens_and_aborts_cleanly(ray_cluster, reference):
+    cluster = ray_cluster(mode="colocated", decode=2)
     try:
         assert sorted(cluster.workers) == ["mixed-0", "mixed-1"]
         ids = list(range(0, len(PROMPTS), 2))
@@ -287,11 +210,9 @@ def test_colocated_cluster_gives_the_same_tokens_and_aborts_cleanly(ray_local, r
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_local):
+def cluster(ray_cluster):
     """The disaggregated cluster, started as 1 prefill + 1 decode; tests below grow it."""
-    cl = launch(cluster_config(prefill=1, decode=1))
-    yield cl
-    cl.shutdown()
+    return ray_cluster(prefill=1, decode=1)
 
 
 @pytest.mark.timeout(180)

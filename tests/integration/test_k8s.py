@@ -46,7 +46,7 @@ from router.http.server import ApiServer
 from router.metrics import FrontDoorMetrics
 from tests.shared_data import shared_data
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 OVERLAYS = ["cpu-dev", "gpu-prod", "gpu-prod-monitoring"]
 KUBERNETES_VERSION = "1.33.0"  # the schemas kubernetes-validate (pinned in pyproject) checks against

@@ -9,6 +9,7 @@ from pathlib import Path
 import psutil
 import pytest
 import redis
+from support import wait_for
 
 from cluster import redis_server
 from cluster.redis_server import EmbeddedRedis, RedisServerError
@@ -28,13 +29,6 @@ def prefix() -> str:
     return f"test-{uuid.uuid4().hex[:8]}"  # tests share one server, never each other's keys
 
 
-def wait_until(cond, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
 
 
 def test_embedded_redis_answers_on_loopback_only(server: EmbeddedRedis) -> None:
@@ -86,7 +80,7 @@ def test_heartbeat_keeps_lease_and_expiry_drops_it(server: EmbeddedRedis, prefix
         assert not with_beat.lost.is_set()
     finally:
         with_beat.stop()
-    assert wait_until(lambda: reg.live_workers() == [], timeout_s=3.0)
+    assert wait_for(lambda: reg.live_workers() == [], timeout_s=3.0)
     assert reg.redis.smembers(f"{prefix}:workers") == set()  # expired ids are pruned
     assert not reg.heartbeat("p0", epoch)  # an expired lease is not revived by a late beat
 
@@ -102,7 +96,7 @@ def test_epoch_changes_on_reregister_and_fences_old_incarnation(server: Embedded
     lost: list[bool] = []
     beat = Heartbeat(WorkerRegistry(server.url, prefix=prefix, ttl_s=0.3), "d0", first, lambda: lost.append(True))
     beat.start()
-    assert wait_until(beat.lost.is_set, timeout_s=3.0) and lost == [True]
+    assert wait_for(beat.lost.is_set, timeout_s=3.0) and lost == [True]
     beat.stop()
     assert reg.deregister("d0", second) and reg.live_workers() == []
     assert reg.register("d0", "decode") > second  # epochs survive deregistration
