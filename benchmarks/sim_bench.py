@@ -29,8 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import CpuWatch, machine_info, print_ratios, write_result  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
 from sim.fleet import FleetConfig, simulate  # noqa: E402
-from sim.trace import ideal_hit_ratio, load_trace  # noqa: E402
-from sim.workload import from_trace  # noqa: E402
+from sim.trace import from_trace, ideal_hit_ratio, load_trace  # noqa: E402
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_conversation_trace.jsonl"
 OUTPUT_SCALE = 0.125
@@ -58,7 +57,7 @@ def scale_run(trace: Path, limit: int | None) -> dict:
     reqs = load_trace(trace, num_prompts=limit)
     cfg = BASE.model_copy(update={"prefill": 32, "decode": 32})
     watch = CpuWatch()
-    run = simulate(cfg, from_trace(reqs))["runs"][0]
+    run = simulate(cfg, from_trace(reqs))
     cpu = watch.stop()
     return {"requests": len(reqs), "completed": run["completed"], "failed": run["failed"], **cpu,
             "virtual_s": run["sim"]["virtual_s"], "p90_ttft_ms": run["p90_ttft_ms"],
@@ -74,7 +73,7 @@ def hit_ratio_runs(trace: Path, limit: int | None, policies: list[str]) -> tuple
     runs = {}
     for policy in policies:
         watch = CpuWatch()
-        run = simulate(cfg.model_copy(update={"router": _policy(policy)}), from_trace(reqs))["runs"][0]
+        run = simulate(cfg.model_copy(update={"router": _policy(policy)}), from_trace(reqs))
         runs[policy] = {"hit_ratio": run["cache_hit_ratio"], "p90_ttft_ms": run["p90_ttft_ms"],
                         "prefill_utilization": _prefill_utilization(run), "failed": run["failed"], **watch.stop()}
         print(f"  {policy}: hit ratio {run['cache_hit_ratio']:.3f}, p90 TTFT {run['p90_ttft_ms']:.0f} ms, "
@@ -90,7 +89,7 @@ def loaded_runs(trace: Path, limit: int | None, rr_utilization: float, blocks: i
     cfg = BASE.model_copy(update={"prefill": 16, "decode": 8, "num_blocks": blocks})
     out = {"time_scale": time_scale}
     for policy in ("kv_aware", "round_robin"):
-        run = simulate(cfg.model_copy(update={"router": _policy(policy)}), from_trace(reqs))["runs"][0]
+        run = simulate(cfg.model_copy(update={"router": _policy(policy)}), from_trace(reqs))
         out[policy] = {"p90_ttft_ms": run["p90_ttft_ms"], "mean_ttft_ms": run["mean_ttft_ms"],
                        "hit_ratio": run["cache_hit_ratio"], "prefill_utilization": _prefill_utilization(run),
                        "queue_share_of_ttft": run["sim"]["mean_queue_share_of_ttft"]}

@@ -142,8 +142,8 @@ def _workload_args(text: str) -> dict:
 
 
 def sessions(args: argparse.Namespace) -> tuple[list, str]:
-    from sim.trace import load_trace
-    from sim.workload import from_loadtest, from_trace
+    from cluster.sim_bridge import from_loadtest
+    from sim.trace import from_trace, load_trace
 
     if args.workload == "trace":
         if not args.trace_file:
@@ -175,10 +175,12 @@ def run(args: argparse.Namespace, _cfg) -> int:
         return _plan(args, slo, work)
     from rich.console import Console
 
+    from cluster.sim_bridge import bench_result
     from loadtest import report
     from sim.fleet import simulate
 
-    result = simulate(fleet_config(args), work, slo or None, label=args.label, workload=kind, rate=args.request_rate)
+    run = simulate(fleet_config(args), work, slo or None)
+    result = bench_result(run, slo or None, args.label, kind, args.request_rate)
     out = Path(args.output_dir)
     json_path = report.write_json(result, out / "result.json")
     html_path = report.write_html(result, out)

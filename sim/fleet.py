@@ -12,8 +12,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from engine.config import SchedulerConfig
 from engine.messages import GenerateRequest
 from engine.sampling import SamplingParams
-from loadtest.metrics import summarize
-from loadtest.types import RequestRecord
 from router.config import RouterConfig
 from router.errors import NoWorker, Overloaded
 from router.router import Router
@@ -22,6 +20,7 @@ from sim.cost import Roofline
 from sim.engine import OUT_TOKEN, SimEngine
 from sim.hardware import load_device, load_link
 from sim.index import MemoryIndex, MemoryIndexView
+from sim.metrics import SimRecord, summarize
 from sim.shapes import load_shape
 from sim.worker import Network, SimWorker
 
@@ -111,7 +110,7 @@ class Fleet:
             await self.router.add_worker(w)
 
 
-async def _session(router: Router, session: SimSession, t0: float) -> list[RequestRecord]:
+async def _session(router: Router, session: SimSession, t0: float) -> list[SimRecord]:
     history: list[int] = list(session.system) if session.system is not None else []
     records = []
     for k, (part, output_len) in enumerate(session.turns):
@@ -130,10 +129,10 @@ async def _session(router: Router, session: SimSession, t0: float) -> list[Reque
     return records
 
 
-async def _request(router: Router, req: GenerateRequest, session_id: str, turn: int, t0: float) -> RequestRecord:
+async def _request(router: Router, req: GenerateRequest, session_id: str, turn: int, t0: float) -> SimRecord:
     loop = asyncio.get_running_loop()
     sent = loop.time()
-    rec = RequestRecord(req.request_id, session_id, turn, start_s=sent - t0, prompt_tokens=len(req.prompt_token_ids))
+    rec = SimRecord(req.request_id, session_id, turn, start_s=sent - t0, prompt_tokens=len(req.prompt_token_ids))
     try:
         async for chunk in router.generate(req):
             if chunk.token_ids:
@@ -152,7 +151,7 @@ async def _request(router: Router, req: GenerateRequest, session_id: str, turn: 
     return rec
 
 
-async def _run(cfg: FleetConfig, sessions: list[SimSession]) -> tuple[list[RequestRecord], dict]:
+async def _run(cfg: FleetConfig, sessions: list[SimSession]) -> tuple[list[SimRecord], dict]:
     loop = asyncio.get_running_loop()
     fleet = Fleet(cfg)
     await fleet.start()
@@ -173,15 +172,13 @@ async def _run(cfg: FleetConfig, sessions: list[SimSession]) -> tuple[list[Reque
     return list(records), extra
 
 
-def simulate(cfg: FleetConfig, sessions: list[SimSession], slo: dict[str, float] | None = None,
-             label: str | None = None, workload: str = "sim", rate: float | None = None) -> dict:
-    """One simulated run: a result document `brigade bench report/compare` read, with the
-    simulator's own figures under run["sim"]."""
+def simulate(cfg: FleetConfig, sessions: list[SimSession], slo: dict[str, float] | None = None) -> dict:
+    """One simulated run: its records (time-ordered), the summary (brigade bench's keys), and
+    the simulator's own figures under "sim" (cluster/sim_bridge.py writes it as a bench result)."""
     wall = time.perf_counter()
     records, extra = run_virtual(_run(cfg, sessions))
     wall = time.perf_counter() - wall
     records.sort(key=lambda r: r.start_s)
-    summary = summarize(records, extra["duration_s"], slo)
     ttft = {r.request_id: r.ttft_s for r in records if r.ok and r.ttft_s}
     shares = [min(1.0, extra["queue_s"][rid] / t) for rid, t in ttft.items() if rid in extra["queue_s"]]
     busy = [w["busy_s"] / extra["duration_s"] for w in extra["workers"].values()] if extra["duration_s"] else []
@@ -190,13 +187,8 @@ def simulate(cfg: FleetConfig, sessions: list[SimSession], slo: dict[str, float]
            "p90_queue_ms": _pct([q * 1000 for q in extra["queue_s"].values()], 90),
            "mean_utilization": sum(busy) / len(busy) if busy else 0.0,
            "kv_picks": extra["kv_picks"], "workers": extra["workers"]}
-    run = {"request_rate": rate if rate is not None else float("inf"), "burstiness": None, "max_concurrency": None,
-           "seed": 0, **summary, "records": records, "sim": sim}
-    return {"brigade_bench": 1, "date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
-            "label": label or f"sim {cfg.mode} {cfg.prefill}P{cfg.decode}D {cfg.device}",
-            "backend": "sim", "url": f"sim://{cfg.device}/{cfg.model}", "endpoint": "completions",
-            "model_id": cfg.model, "workload": workload, "config": {"fleet": cfg.model_dump(mode="json")},
-            "runs": [run]}
+    return {**summarize(records, extra["duration_s"], slo), "duration": extra["duration_s"], "records": records,
+            "sim": sim, "fleet": cfg.model_dump(mode="json")}
 
 
 def _pct(values: list[float], p: float) -> float | None:

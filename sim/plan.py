@@ -13,10 +13,10 @@ from collections.abc import Iterator
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from loadtest.metrics import meets_slo
 from sim.cost import Roofline
 from sim.fleet import FleetConfig, SimSession, simulate
 from sim.hardware import load_device, load_link
+from sim.metrics import meets_slo
 from sim.shapes import load_shape
 
 
@@ -64,7 +64,7 @@ def candidates(cfg: PlanConfig) -> Iterator[tuple[int, dict]]:
 
 
 def evaluate(cfg: PlanConfig, fleet: FleetConfig, sessions: list[SimSession]) -> dict:
-    run = simulate(fleet, sessions, cfg.slo)["runs"][0]
+    run = simulate(fleet, sessions, cfg.slo)
     recs = run["records"]
     met = sum(meets_slo(r, cfg.slo) for r in recs) / len(recs) if recs else 0.0
     return {"mode": fleet.mode, "prefill": fleet.prefill, "decode": fleet.decode, "prefill_tp": fleet.prefill_tp,

@@ -11,12 +11,37 @@ exactly the trace's sharing. Scaling as in loadtest/workloads/trace.py.
 """
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadtest.workloads.trace import load_rows
+
+class TraceFormatError(ValueError):
+    pass
+
+
+def load_rows(path: Path) -> list[dict]:
+    """The trace's rows, each checked for the fields this replay needs (as loadtest's replay
+    checks them: sim/ does not import loadtest)."""
+    rows = []
+    with Path(path).open() as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                ok = (isinstance(row, dict) and isinstance(row.get("hash_ids"), list) and row["hash_ids"]
+                      and all(isinstance(row.get(k), (int, float)) for k in ("timestamp", "input_length",
+                                                                             "output_length")))
+            except ValueError:
+                ok = False
+            if not ok:
+                raise TraceFormatError(f"{path}:{n}: expected a JSON object with timestamp, input_length, "
+                                       f"output_length and a non-empty hash_ids list, got {line[:80]!r}")
+            rows.append(row)
+    return rows
 
 
 @dataclass(frozen=True)
@@ -47,6 +72,13 @@ class TraceRequest:
     arrival_s: float
     prompt: TracePrompt
     output_len: int
+
+
+def from_trace(requests: list[TraceRequest]):
+    """The requests as one-turn simulated sessions."""
+    from sim.fleet import SimSession
+
+    return [SimSession(r.request_id, r.arrival_s, ((r.prompt, r.output_len),)) for r in requests]
 
 
 def load_trace(path: str | Path, block_size: int = 512, length_scale: float = 1.0, output_scale: float = 1.0,

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from cluster.sim_bridge import from_loadtest
 from loadtest.workloads import SharedPrefixWorkload
 from sim.cost import Roofline, StepWork
 from sim.fleet import FleetConfig, SimSession, simulate
 from sim.hardware import load_device, load_link
 from sim.shapes import load_shape
-from sim.workload import from_loadtest
 
 FLEET = FleetConfig(model="tiny", device="cpu-2core", prefill=2, decode=1, num_blocks=256, stream_every=1)
 COST = Roofline(load_shape("tiny"), load_device("cpu-2core"))
@@ -28,7 +28,7 @@ def test_tiny_scenario_timings_routes_and_blocks_are_exact() -> None:
         SimSession("b", 1.0, ((shared + list(range(200, 216)), 2),)),  # a's first 3 blocks
         SimSession("c", 1.0, ((list(range(300, 364)), 2),)),  # nothing in common
     ]
-    run = simulate(FLEET, sessions)["runs"][0]
+    run = simulate(FLEET, sessions)
     rec = {r.request_id: r for r in run["records"]}
     assert run["completed"] == 3 and run["failed"] == 0
     # a: an idle fleet, so TTFT is its prefill step; then the KV crosses the link and the
@@ -53,13 +53,13 @@ def test_round_robin_ignores_the_cache() -> None:
     fleet = FLEET.model_copy(update={"router": FLEET.router.model_copy(update={"policy": "round_robin"})})
     shared = list(range(48))
     sessions = [SimSession(f"s{i}", float(i), ((shared + [1000 + i] * 16, 2),)) for i in range(4)]
-    run = simulate(fleet, sessions)["runs"][0]
+    run = simulate(fleet, sessions)
     assert [r.cached_tokens for r in run["records"]] == [0, 0, 48, 48]  # alternating over two workers
 
 
 def test_colocated_fleet_streams_every_token() -> None:
     fleet = FLEET.model_copy(update={"mode": "colocated", "prefill": 1, "decode": 0})
-    run = simulate(fleet, [SimSession("x", 0.0, ((list(range(32)), 3),))])["runs"][0]
+    run = simulate(fleet, [SimSession("x", 0.0, ((list(range(32)), 3),))])
     (r,) = run["records"]
     assert r.ttft_s == pytest.approx(prefill_s(32))
     assert r.output_tokens == 3 and r.e2e_s == pytest.approx(
@@ -71,11 +71,11 @@ def test_the_same_seed_gives_the_same_run() -> None:
                                     output_len=8, seed=5)
 
     def once() -> list:
-        run = simulate(FLEET, from_loadtest(workload, rate=20.0), slo={"ttft": 0.5})["runs"][0]
+        run = simulate(FLEET, from_loadtest(workload, rate=20.0), slo={"ttft": 0.5})
         return [(r.request_id, r.start_s, r.ttft_s, r.e2e_s, r.cached_tokens, r.chunk_times_s) for r in run["records"]]
 
     first = once()
     assert len(first) == 12 and first == once()
     other = SharedPrefixWorkload(**{**workload.model_dump(), "seed": 6})
-    moved = simulate(FLEET, from_loadtest(other, 20.0))["runs"][0]["records"]
+    moved = simulate(FLEET, from_loadtest(other, 20.0))["records"]
     assert [r[1] for r in first] != [r.start_s for r in moved]  # another seed, other arrivals

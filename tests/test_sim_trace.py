@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.workloads.trace import TraceFormatError
-from sim.trace import ideal_hit_ratio, load_trace
+from sim.trace import TraceFormatError, ideal_hit_ratio, load_trace
 
 ROWS = [
     {"timestamp": 0, "input_length": 1100, "output_length": 10, "hash_ids": [0, 1, 2]},
