@@ -28,7 +28,8 @@ def from_loadtest(cfg: WorkloadConfig, rate: float, arrival: str = "poisson", bu
 def bench_result(run: dict, slo: dict[str, float] | None, label: str | None, workload: str,
                  rate: float | None) -> dict:
     """A simulated run (sim.fleet.simulate) as `brigade bench`'s result document."""
-    records = [RequestRecord(**dataclasses.asdict(r)) for r in run["records"]]
+    fields = {f.name for f in dataclasses.fields(RequestRecord)}
+    records = [RequestRecord(**{k: v for k, v in dataclasses.asdict(r).items() if k in fields}) for r in run["records"]]
     fleet = run["fleet"]
     summary = {"request_rate": rate if rate is not None else float("inf"), "burstiness": None,
                "max_concurrency": None, "seed": 0, **summarize(records, run["duration"], slo),

@@ -44,6 +44,7 @@ class FleetConfig(BaseModel):
                                         max_waiting_tokens=10**12)
     stream_every: int = Field(16, ge=1)  # tokens per stream chunk (ITL is measured per chunk)
     publish_delay_s: float = Field(0.05, ge=0)  # cache events reach the index this much later
+    failures: tuple[tuple[str, float], ...] = ()  # (worker id, virtual second): the worker dies then
 
     @model_validator(mode="after")
     def _workers(self) -> FleetConfig:
@@ -140,6 +141,8 @@ async def _request(router: Router, req: GenerateRequest, session_id: str, turn: 
                 rec.chunk_tokens.append(len(chunk.token_ids))
             if chunk.usage is not None:
                 rec.output_tokens, rec.cached_tokens = chunk.usage.completion_tokens, chunk.usage.cached_tokens
+            if chunk.finished and chunk.timing is not None:
+                rec.migrations = chunk.timing.migrations
     except Overloaded as exc:
         rec.error_kind, rec.error = "http_429", str(exc)
     except NoWorker as exc:
@@ -156,6 +159,10 @@ async def _run(cfg: FleetConfig, sessions: list[SimSession]) -> tuple[list[SimRe
     fleet = Fleet(cfg)
     await fleet.start()
     t0 = loop.time()
+    for worker_id, at_s in cfg.failures:
+        if worker_id not in fleet.network.workers:
+            raise ValueError(f"failure of unknown worker {worker_id!r}: the fleet has {sorted(fleet.network.workers)}")
+        loop.call_at(t0 + at_s, fleet.network.workers[worker_id].kill)
     tasks = []
     for s in sorted(sessions, key=lambda s: s.arrival_s):  # each session's task starts when it arrives
         await asyncio.sleep(max(0.0, t0 + s.arrival_s - loop.time()))
@@ -167,7 +174,7 @@ async def _run(cfg: FleetConfig, sessions: list[SimSession]) -> tuple[list[SimRe
     # Queueing: from send to the first step that computes the request (router admission,
     # decode reservation, the prefill worker's waiting queue), as a share of its TTFT.
     queue = {rid: net.scheduled_at[rid] - sent[rid] for rid in sent if rid in net.scheduled_at}
-    stats = {w.worker_id: await w.stats() for w in fleet.workers}
+    stats = {w.worker_id: {**await w.stats(), "alive": w.alive} for w in fleet.workers}
     extra = {"duration_s": duration, "queue_s": queue, "workers": stats, "kv_picks": dict(fleet.router.picker.kv_picks)}
     return list(records), extra
 

@@ -11,7 +11,7 @@ import numpy as np
 
 @dataclass
 class SimRecord:
-    """One simulated request; the fields of loadtest.types.RequestRecord. Times in virtual
+    """One simulated request; the fields of loadtest.types.RequestRecord (and its migrations). Times in virtual
     seconds: `start_s` since the run began, chunk times since the request was sent."""
 
     request_id: str
@@ -27,6 +27,7 @@ class SimRecord:
     chunk_tokens: list[int] = field(default_factory=list)
     error_kind: str | None = None
     error: str | None = None
+    migrations: int = 0  # times the router moved it to other workers after one died (not in bench records)
 
     @property
     def ok(self) -> bool:

@@ -4,7 +4,10 @@ Each worker runs its SimEngine in a loop on the virtual clock: plan a step (the 
 scheduler), sleep the step's cost, finish it, wake whoever waits on its sequences. Its cache
 events reach the in-memory index `publish_delay_s` later (the real publisher batches them).
 A decode worker pulls a request's KV from its prefill worker over the configured link
-(bytes / bandwidth + latency), then admits it into the blocks it reserved.
+(bytes / bandwidth + latency), then admits it into the blocks it reserved. `kill()` makes a
+worker die as a Ray actor does: its calls raise WorkerLost and the router migrates the
+requests (a KV pull from a dead prefill worker migrates too, where a real decode worker would
+recompute the prompt itself).
 
 `Network` is what connects simulated workers: it knows them by id, so a prefill worker's
 `connect` and a decode worker's pull find each other, and it records when each request was
@@ -20,6 +23,7 @@ from dataclasses import dataclass, field
 from engine.messages import Aborted, Chunk, GenerateRequest, PrefillResult, Timing, WorkerHealth
 from engine.outputs import Usage
 from engine.sequence import Sequence, SequenceStatus
+from router.errors import WorkerLost
 from sim.engine import OUT_TOKEN, SimEngine
 from sim.hardware import LinkProfile
 from sim.index import MemoryIndex
@@ -55,6 +59,7 @@ class SimWorker:
         self._accepts: asyncio.Queue[str] = asyncio.Queue()
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
+        self.alive = True
         network.workers[worker_id] = self
 
     def start(self) -> SimWorker:
@@ -122,16 +127,34 @@ class SimWorker:
     def _poke(self) -> None:
         self._wake.set()
 
+    def kill(self) -> None:
+        """The worker dies (a crash, a lost node): every call in flight and every later one
+        raises WorkerLost, as RayWorker does for a dead actor, so the router migrates."""
+        self.alive = False
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        for stream in self._streams.values():
+            if stream.first is not None and not stream.first.done():
+                stream.first.set_exception(WorkerLost(self.worker_id))
+            stream.changed.set()
+
+    def _check(self) -> None:
+        if not self.alive:
+            raise WorkerLost(self.worker_id)
+
     # -- WorkerClient -------------------------------------------------------------------
     async def health(self) -> WorkerHealth:
+        self._check()
         return WorkerHealth(self.worker_id, self.role, True, model_id=self.model_id,
                             block_size=self.engine.block_size, free_blocks=self.engine.pool.num_free,
                             running=len(self.engine.scheduler.running), tp_size=self.tp_size)
 
     async def reserve(self, request_id: str, num_tokens: int) -> bool:
+        self._check()
         return self.engine.reserve(request_id, num_tokens)
 
     async def prefill(self, req: GenerateRequest) -> PrefillResult:
+        self._check()
         loop = asyncio.get_running_loop()
         arrived = loop.time()
         stream = self._streams[req.request_id] = _Stream()
@@ -151,6 +174,7 @@ class SimWorker:
 
     async def generate(self, req: GenerateRequest, first: PrefillResult | None = None,
                        prefill: SimWorker | None = None) -> AsyncIterator[Chunk]:
+        self._check()
         rid = req.request_id
         stream = self._streams[rid] = _Stream()
         try:
@@ -173,6 +197,7 @@ class SimWorker:
             while True:
                 await stream.changed.wait()
                 stream.changed.clear()
+                self._check()
                 out = seq.output_token_ids
                 new = len(out) - stream.sent
                 stream.sent = len(out)
@@ -186,14 +211,18 @@ class SimWorker:
                     return
         finally:
             self._streams.pop(rid, None)
+            if self.alive:
+                self.engine.release(rid)  # a reservation the request never used (its prefill worker died)
 
     async def send_kv(self, request_id: str) -> int:
         """Prefill side of a pull: the KV crosses the link, then its blocks are free here."""
+        self._check()
         seq = self.engine.prefilled.get(request_id)
         if seq is None:
             return 0
         nbytes = self.kv_bytes_per_token * seq.num_computed
         await asyncio.sleep(self.link.transfer_s(nbytes))
+        self._check()  # died while sending
         self.transferred_bytes += nbytes
         self.engine.release(request_id)
         self._poke()
@@ -211,12 +240,14 @@ class SimWorker:
         self._poke()
 
     async def address(self) -> tuple[str, int]:
+        self._check()
         return (self.worker_id, 0)
 
     async def accept(self) -> str:
         return await self._accepts.get()
 
     async def connect(self, decode_id: str, address) -> None:
+        self._check()
         self.network.workers[decode_id]._accepts.put_nowait(self.worker_id)
 
     async def disconnect(self, peer_id: str) -> None:

@@ -79,3 +79,23 @@ def test_the_same_seed_gives_the_same_run() -> None:
     other = SharedPrefixWorkload(**{**workload.model_dump(), "seed": 6})
     moved = simulate(FLEET, from_loadtest(other, 20.0))["records"]
     assert [r[1] for r in first] != [r.start_s for r in moved]  # another seed, other arrivals
+
+
+@pytest.mark.parametrize("dead", ["decode-0", "prefill-0"])
+def test_a_worker_dying_mid_run_migrates_its_requests(dead: str) -> None:
+    fleet = FLEET.model_copy(update={"prefill": 2, "decode": 2, "failures": ((dead, 0.3),)})
+    sessions = [SimSession(f"s{i}", 0.05 * i, ((list(range(i, i + 64)), 40),)) for i in range(12)]
+    run = simulate(fleet, sessions)
+    assert run["completed"] == 12 and run["failed"] == 0
+    assert [r.output_tokens for r in run["records"]] == [40] * 12  # every token once, none lost or repeated
+    assert all(sum(r.chunk_tokens) == 40 for r in run["records"])
+    workers = run["sim"]["workers"]
+    assert workers[dead]["alive"] is False
+    assert all(w["referenced_blocks"] == 0 for wid, w in workers.items() if wid != dead)  # the living leak nothing
+    assert workers[dead]["steps"] > 0  # it did work before it died...
+    assert sum(r.migrations for r in run["records"]) > 0  # ...and some requests moved off it
+
+
+def test_a_failure_of_an_unknown_worker_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown worker 'decode-9'"):
+        simulate(FLEET.model_copy(update={"failures": (("decode-9", 1.0),)}), [SimSession("a", 0.0, (([1] * 8, 2),))])
