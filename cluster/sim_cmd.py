@@ -60,6 +60,8 @@ def _add_fleet(p: argparse.ArgumentParser, counts: bool = True) -> None:
                                   "(default: the device's)")
     f.add_argument("--block-size", type=int, default=16, help="KV block tokens (512 matches Mooncake trace ids)")
     f.add_argument("--num-blocks", type=int, help="KV blocks per worker (default: what device memory holds)")
+    f.add_argument("--host-tier-gb", type=float, default=0.0,
+                   help="HiCache host memory per prefill worker, GB (0: none); loads back over PCIe 5")
     f.add_argument("--max-num-seqs", type=int, default=256)
     f.add_argument("--max-num-batched-tokens", type=int, default=8192)
     f.add_argument("--stream-every", type=int, default=16, help="tokens per stream chunk (ITL is per chunk)")
@@ -123,6 +125,7 @@ def fleet_config(args: argparse.Namespace, counts: bool = True):
     base = FleetConfig()
     fields = {"model": args.model, "device": args.device, "link": args.link, "block_size": args.block_size,
               "num_blocks": args.num_blocks, "stream_every": args.stream_every,
+              "host_tier_bytes": args.host_tier_gb * 1e9,
               "scheduler": SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                            max_num_batched_tokens=args.max_num_batched_tokens)}
     if counts:

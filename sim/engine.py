@@ -21,6 +21,8 @@ from engine.radix_cache import RadixCache
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from sim.cost import StepWork
+from sim.hardware import LinkProfile
+from sim.hicache import SimHostTier
 
 OUT_TOKEN = 1  # what every simulated sample returns
 
@@ -41,10 +43,19 @@ class SimEngine:
         self.pool = BlockPool(num_blocks)
         self.cache = RadixCache(self.pool, CacheEventLog(record_events)) if prefix_cache else None
         self.scheduler = Scheduler(sched, self.pool, self.cache, block_size, model_id)
+        self.host: SimHostTier | None = None  # HiCache's host tier, when attach_host() was called
+        self._loads_s = 0.0  # the last planned step's load-back time
         self.seqs: dict[str, Sequence] = {}  # scheduled here (waiting or running)
         self.prefilled: dict[str, Sequence] = {}  # prefill role: first token out, blocks held for the decode side
         self.reservations: dict[str, list[int]] = {}  # decode role: blocks held for a KV on its way
         self._arrivals = itertools.count()
+
+    def attach_host(self, capacity_blocks: int, block_bytes: int, link: LinkProfile) -> None:
+        """Put a host-memory tier (sim/hicache.py) under this engine's prefix cache."""
+        if self.cache is None:
+            raise ValueError("a host tier needs the prefix cache")
+        self.host = SimHostTier(self.cache, self.pool, capacity_blocks, block_bytes, link)
+        self.scheduler.loader = self.host
 
     # -- requests -----------------------------------------------------------------------
     def add(self, req: GenerateRequest) -> Sequence:
@@ -103,7 +114,8 @@ class SimEngine:
         if not batch:
             return batch, 0.0
         work = StepWork.of((s.num_new_tokens, s.seq.num_computed, s.samples) for s in batch)
-        return batch, self.cost.step_s(work)
+        self._loads_s = self.host.take_pending_s() if self.host is not None else 0.0  # blocks brought back
+        return batch, self.cost.step_s(work) + self._loads_s
 
     def steady_steps(self, batch: list[ScheduledSeq], cap: int) -> list[float]:
         """The step times of up to `cap` repeats of a pure-decode batch that the scheduler
@@ -111,7 +123,7 @@ class SimEngine:
         block or finishes before the last repeat. [] when the batch is not such a batch.
         Repeating it by arithmetic (finish(batch, repeats)) is what lets a 12,000-request
         trace run in seconds; the step cost still follows each step's growing context."""
-        if self.scheduler.waiting or len(batch) != len(self.scheduler.running) or cap < 2:
+        if self.scheduler.waiting or len(batch) != len(self.scheduler.running) or cap < 2 or self._loads_s:
             return []
         k, ctx = cap, 0
         for s in batch:
@@ -159,4 +171,5 @@ class SimEngine:
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "prefilled": len(self.prefilled), "reserved": len(self.reservations),
                 "preemptions": self.scheduler.num_preemptions,
-                "prefix_hit_rate": cs.hit_rate if cs else 0.0, "evicted_blocks": cs.evicted_blocks if cs else 0}
+                "prefix_hit_rate": cs.hit_rate if cs else 0.0, "evicted_blocks": cs.evicted_blocks if cs else 0,
+                **({"host_tier": {**self.host.stats, "blocks": len(self.host.blocks)}} if self.host else {})}

@@ -125,3 +125,25 @@ def test_steady_decode_repeats_equal_the_same_steps_one_by_one() -> None:
 def test_decode_step_times_follow_the_context_exactly() -> None:
     steps = COST.decode_steps_s(4, 1000, 40)
     assert steps == pytest.approx([COST.step_s(StepWork.of([(1, 250 + j, True)] * 4)) for j in range(40)])
+
+
+def test_host_tier_keeps_evicted_blocks_and_loads_them_back_at_link_speed() -> None:
+    from sim.hardware import load_link
+
+    e = make_engine(num_blocks=6, budget=64)
+    link = load_link("pcie5-x16")
+    e.attach_host(capacity_blocks=8, block_bytes=1 << 20, link=link)
+    e.add(make_request("a", list(range(13)), 1))
+    run_to_end(e)  # a's 3 full blocks cached on device
+    e.add(make_request("b", list(range(100, 121)), 1))
+    run_to_end(e)  # b needs 6 blocks: a's cached ones are evicted, into the host tier
+    events = e.take_events()
+    host_stored = [h for ev in events if ev.kind == "stored" and ev.tier == "host" for h in ev.hashes]
+    assert len(host_stored) == 3 and len(e.host.blocks) == 3
+    again = e.add(make_request("a2", list(range(13)), 1))
+    batch, seconds = e.plan()
+    assert [(s.seq.request_id, s.num_new_tokens) for s in batch] == [("a2", 1)]  # 12 tokens loaded, not computed
+    assert again.cached_by_tier == {"host": 12}
+    assert seconds == pytest.approx(COST.step_s(StepWork.of([(1, 12, True)])) + link.transfer_s(3 << 20))
+    e.finish(batch)
+    assert e.pool.num_referenced == 0 and e.host.stats["loaded"] == 3

@@ -99,3 +99,15 @@ def test_a_worker_dying_mid_run_migrates_its_requests(dead: str) -> None:
 def test_a_failure_of_an_unknown_worker_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown worker 'decode-9'"):
         simulate(FLEET.model_copy(update={"failures": (("decode-9", 1.0),)}), [SimSession("a", 0.0, (([1] * 8, 2),))])
+
+
+def test_a_prefix_evicted_to_the_host_tier_is_loaded_back_not_recomputed() -> None:
+    sessions = [SimSession("a", 0.0, ((list(range(64)), 2),)), SimSession("b", 1.0, ((list(range(500, 621)), 2),)),
+                SimSession("a-again", 2.0, ((list(range(64)), 2),))]
+    small = FLEET.model_copy(update={"prefill": 1, "decode": 1, "num_blocks": 8})
+    without = {r.request_id: r.cached_tokens for r in simulate(small, sessions)["records"]}
+    run = simulate(small.model_copy(update={"host_tier_bytes": 1e6}), sessions)
+    with_host = {r.request_id: r.cached_tokens for r in run["records"]}
+    assert without == {"a": 0, "b": 0, "a-again": 0}  # b evicted a's blocks from the 8-block pool
+    assert with_host == {"a": 0, "b": 0, "a-again": 48}  # they waited in host memory
+    assert run["sim"]["workers"]["prefill-0"]["host_tier"]["loaded"] == 3
