@@ -131,7 +131,6 @@ async def _session(router: Router, session: SimSession, t0: float) -> list[SimRe
         if not rec.ok:
             break  # the next turn would need this answer
         history = history + [OUT_TOKEN] * rec.output_tokens
-    del history
     return records
 
 
