@@ -106,7 +106,11 @@ class Dispatch:
             prefill.inflight -= 1
             prefill.queued_tokens -= queued
             prefilling = False
-            yield first.chunk(), prefill, decode  # the first token, before the transfer
+            try:
+                yield first.chunk(), prefill, decode  # the first token, before the transfer
+            except GeneratorExit:  # closed before the decode worker took the KV: free both holds now
+                await asyncio.gather(prefill.client.abort(rid), decode.client.abort(rid), return_exceptions=True)
+                raise
             async for chunk in self._from_worker(decode, decode.client.generate(req, first, prefill.client)):
                 if chunk.timing is not None:  # the decode worker's transfer report
                     timing.transfer_s, timing.transfer_bytes = chunk.timing.transfer_s, chunk.timing.transfer_bytes

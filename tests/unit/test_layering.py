@@ -133,3 +133,13 @@ def test_no_source_file_over_the_hard_limit_and_the_soft_ones_are_reported() -> 
 def test_router_loop_stays_small() -> None:
     assert _line_counts(["router"])["router/router.py"] < 200
 
+
+
+def test_only_the_worker_client_calls_ray_remote_in_the_router() -> None:
+    """router/workers.py's RayWorker is the router's one seam to Ray actors (WorkerClient)."""
+    callers = set()
+    for path in modules("router"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "remote":
+                callers.add(str(path.relative_to(ROOT)))
+    assert callers == {"router/workers.py"}

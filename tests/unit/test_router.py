@@ -229,3 +229,18 @@ def test_both_doors_answer_from_the_one_error_table(exc):
 
 async def _drain(router, request) -> list[Chunk]:
     return [c async for c in router.generate(request)]
+
+
+def test_a_stream_closed_at_its_first_token_frees_the_kv_on_both_workers():
+    async def main():
+        prefill, decode = Prefill("prefill-0"), Decode("decode-0")
+        router = disagg(prefill, decode)
+        stream = router.generate(req("gone"))
+        assert (await stream.__anext__()).token_ids == expected(1)
+        await stream.aclose()  # the client left before the decode worker pulled the KV
+        return prefill, decode, router
+
+    prefill, decode, router = asyncio.run(main())
+    assert prefill.aborted == ["gone"] and decode.aborted == ["gone"] and not decode.started
+    assert router.admission.running == 0 and not router.dispatch.active
+    assert all(w.inflight == 0 and w.queued_tokens == 0 for w in router.pool.workers.values())
