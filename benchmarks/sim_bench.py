@@ -128,7 +128,9 @@ def main() -> int:
         "sim_error_ttft_p50": None, "sim_error_ttft_p90": None, "sim_error_tpot_mean": None,
         "sim_error_throughput": None, "sim_error_hit_ratio": None, "advisor_goodput_vs_best_measured": None,
     }
-    targets = {"scale_wall_s": "< 60", "kv_aware_hit_vs_ideal": ">= 0.95",
+    # The wall-time target assumes the 2 cores are ours; on a shared machine the process's own
+    # CPU time is the figure other work does not inflate, so it carries the same bound.
+    targets = {"scale_wall_s": "< 60", "scale_cpu_s": "< 60", "kv_aware_hit_vs_ideal": ">= 0.95",
                "ttft_p90_kv_aware_vs_round_robin_80pct": "< 1.0",
                **{k: "<= 0.15" for k in ratios if k.startswith("sim_error_")},
                "advisor_goodput_vs_best_measured": ">= 0.95"}
