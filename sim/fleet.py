@@ -46,6 +46,7 @@ class FleetConfig(BaseModel):
                                         max_waiting_tokens=10**12)
     stream_every: int = Field(16, ge=1)  # tokens per stream chunk (ITL is measured per chunk)
     publish_delay_s: float = Field(0.05, ge=0)  # cache events reach the index this much later
+    seed: int = 0  # the random policy's draws
     failures: tuple[tuple[str, float], ...] = ()  # (worker id, virtual second): the worker dies then
 
     @model_validator(mode="after")
@@ -86,6 +87,9 @@ class Fleet:
         self.index = MemoryIndex()
         self.view = MemoryIndexView(self.index, cfg.router.recent_route_ttl_s)
         self.router = Router(cfg.router, colocated=cfg.mode == "colocated", index=self.view)
+        # The Picker draws the `random` policy from its own unseeded Random: seed it, so a
+        # simulated run is the same every time (the router has no seed setting of its own).
+        self.router.picker._rng.seed(cfg.seed)
         self.workers: list[SimWorker] = []
 
     def _worker(self, worker_id: str, role: str, tp: int) -> SimWorker:

@@ -111,3 +111,14 @@ def test_a_prefix_evicted_to_the_host_tier_is_loaded_back_not_recomputed() -> No
     assert without == {"a": 0, "b": 0, "a-again": 0}  # b evicted a's blocks from the 8-block pool
     assert with_host == {"a": 0, "b": 0, "a-again": 48}  # they waited in host memory
     assert run["sim"]["workers"]["prefill-0"]["host_tier"]["loaded"] == 3
+
+
+def test_the_random_policy_follows_the_fleet_seed() -> None:
+    sessions = [SimSession(f"s{i}", 0.01 * i, ((list(range(i * 100, i * 100 + 32)), 2),)) for i in range(16)]
+
+    def picks(seed: int) -> list:
+        fleet = FLEET.model_copy(update={"seed": seed, "router": FLEET.router.model_copy(update={"policy": "random"})})
+        return [w["steps"] for w in simulate(fleet, sessions)["sim"]["workers"].values()]
+
+    assert picks(1) == picks(1)
+    assert any(picks(s) != picks(1) for s in (2, 3, 4))
