@@ -4,9 +4,9 @@ EngineDied, and a worker started without BRIGADE_FAULT_INJECTION=1 refuses it.""
 from __future__ import annotations
 
 import queue
-import time
 
 import pytest
+from support import wait_for
 
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from engine.engine_loop import EngineDied, EngineLoop
@@ -49,10 +49,8 @@ def test_an_engine_crash_fails_the_request_in_flight_and_every_later_call(loop: 
 
 def test_an_idle_engine_dies_at_once(loop: EngineLoop) -> None:
     FaultInjector(loop, enabled=True).inject("engine_crash")
-    deadline = time.monotonic() + 10
-    while loop.alive and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not loop.alive and isinstance(loop.error, InjectedFault)
+    wait_for(lambda: not loop.alive, 10.0, "the engine loop stopped", interval_s=0.01)
+    assert isinstance(loop.error, InjectedFault)
 
 
 def test_the_router_takes_a_dead_engine_for_a_dead_worker() -> None:

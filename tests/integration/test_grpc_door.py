@@ -21,6 +21,7 @@ from brigade_client import (
     Unavailable,
 )
 from brigade_client import cli as client_cli
+from support import wait_for
 
 from engine.messages import Chunk, Timing
 from engine.outputs import Usage
@@ -265,7 +266,6 @@ def test_unset_sampling_fields_keep_the_engine_defaults(door) -> None:
 # -- health --------------------------------------------------------------------------------------
 
 def test_health_follows_the_backend_and_is_not_serving_before_attach() -> None:
-    import time
 
     server = GrpcServer("127.0.0.1", 0, FrontDoorConfig(), FrontDoorMetrics(), health_interval_s=0.05)
     try:
@@ -278,10 +278,7 @@ def test_health_follows_the_backend_and_is_not_serving_before_attach() -> None:
             server.attach(backend)
             assert client.health() == "NOT_SERVING"  # no live worker of a needed role
             backend.healthy = True
-            deadline = time.monotonic() + 10
-            while client.health() != "SERVING":
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+            wait_for(lambda: client.health() == "SERVING", 10.0, "health SERVING", interval_s=0.05)
     finally:
         server.close()
 

@@ -13,7 +13,6 @@ import socket
 import ssl
 import subprocess
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ import httpx
 import openai
 import pytest
 from invalid_cases import CASES, Limits
+from support import wait_for
 
 from engine.llm_engine import check_request
 from engine.messages import Chunk
@@ -325,15 +325,10 @@ def test_a_client_that_leaves_closes_the_backend_stream(server: ApiServer, strea
             while b"data: {" not in got:
                 got += sock.recv(4096)
         else:  # nothing comes back before the end: wait until the request is being generated
-            deadline = time.monotonic() + 10
-            while not server.backend.calls and time.monotonic() < deadline:
-                time.sleep(0.02)
-    deadline = time.monotonic() + 10
-    while not server.backend.closed and time.monotonic() < deadline:
-        time.sleep(0.02)
+            wait_for(lambda: server.backend.calls, 10.0, "the request reached the backend", interval_s=0.02)
+    wait_for(lambda: server.backend.closed, 10.0, "the backend's stream closed", interval_s=0.02)
     assert server.backend.closed == [server.backend.calls[0]["id"]]
-    while server.in_flight and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_for(lambda: not server.in_flight, 10.0, "no request in flight", interval_s=0.02)
     assert metric(server, "brigade_requests_total", door="http", outcome="cancelled") == 1
     assert metric(server, "brigade_requests_in_flight", door="http") == 0
 
