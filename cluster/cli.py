@@ -232,10 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(run="cluster.serve", make_config=cluster_config)
 
     from cluster.models_cmd import add_parser as add_models_parser
+    from cluster.sim_cmd import add_parsers as add_sim_parsers
     from loadtest.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)
     add_models_parser(sub)
+    add_sim_parsers(sub)
     return parser
 
 

@@ -12,7 +12,7 @@ import logging
 import re
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import redis
@@ -112,20 +112,20 @@ class RecentRoutes:
     arrive before the worker published its new blocks still find them (an optimistic hint,
     like the index itself)."""
 
-    def __init__(self, ttl_s: float):
-        self.ttl_s = ttl_s
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic):
+        self.ttl_s, self.clock = ttl_s, clock  # the fleet simulator passes its virtual clock
         self.holders: dict[bytes, dict[str, float]] = {}  # block hash -> worker id -> expiry
         self._expiries: deque[tuple[float, bytes, str]] = deque()
 
     def note(self, hashes: Sequence[bytes], worker_id: str) -> None:
-        now = time.monotonic()
+        now = self.clock()
         self._prune(now)
         for h in hashes:
             self.holders.setdefault(h, {})[worker_id] = now + self.ttl_s
             self._expiries.append((now + self.ttl_s, h, worker_id))
 
     def leading(self, hashes: Sequence[bytes], worker_id: str) -> int:
-        now, n = time.monotonic(), 0
+        now, n = self.clock(), 0
         for h in hashes:
             if self.holders.get(h, {}).get(worker_id, 0.0) <= now:
                 break

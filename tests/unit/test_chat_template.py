@@ -112,7 +112,7 @@ def test_malformed_template_inputs_name_their_field(field, kwargs):
 def test_openai_chat_request_passes_documents_and_chat_template_kwargs(real_templates):
     """The HTTP door's parsing hands documents and chat_template_kwargs to the template (tools are
     refused there: no tool-call parser turns an answer into tool_calls)."""
-    from router.openai_format import parse_chat
+    from router.http.openai_format import parse_chat
 
     tok = real_templates["qwen3"][1]
 

@@ -1,0 +1,63 @@
+"""Device and link profiles: the figures a roofline needs, from sim/data/devices.json (each
+with its source there) or from a profile `brigade sim calibrate` fitted on this machine."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+DATA = Path(__file__).parent / "data"
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class LinkProfile(_Frozen):
+    name: str
+    bandwidth: float = Field(gt=0)  # bytes/s, one direction
+    latency_s: float = Field(ge=0)  # per transfer
+
+    def transfer_s(self, num_bytes: float) -> float:
+        return self.latency_s + num_bytes / self.bandwidth
+
+
+class DeviceProfile(_Frozen):
+    name: str
+    peak_flops: float = Field(gt=0)  # dense, at dtype_bytes precision
+    mem_bw: float = Field(gt=0)  # bytes/s
+    mem_bytes: float = Field(gt=0)  # device memory: weights + KV pool
+    compute_eff: float = Field(1.0, gt=0, le=1)  # reachable fraction of peak_flops
+    bw_eff: float = Field(1.0, gt=0, le=1)  # reachable fraction of mem_bw
+    step_overhead_s: float = Field(0.0, ge=0)  # per engine step: launches, scheduling, sampling
+    dtype_bytes: int = Field(2, ge=1)  # weights and KV
+    intra_link: str = "nvlink4"  # between the ranks of one TP group
+    inter_link: str = "rdma-ndr400"  # between a prefill and a decode worker
+
+
+def _catalog() -> dict:
+    return json.loads((DATA / "devices.json").read_text())
+
+
+def device_names() -> list[str]:
+    return sorted(_catalog()["devices"])
+
+
+def load_device(name_or_path: str) -> DeviceProfile:
+    """A profile by catalog name (H100-SXM, H200, H20, cpu-2core) or a JSON file (calibrate's output)."""
+    path = Path(name_or_path)
+    if path.suffix == ".json" and path.exists():
+        return DeviceProfile.model_validate_json(path.read_text())
+    devices = _catalog()["devices"]
+    if name_or_path not in devices:
+        raise ValueError(f"unknown device {name_or_path!r}: use one of {', '.join(sorted(devices))} "
+                         "or a profile JSON written by `brigade sim calibrate`")
+    return DeviceProfile(name=name_or_path, **devices[name_or_path])
+
+
+def load_link(name: str) -> LinkProfile:
+    links = {k: v for k, v in _catalog()["links"].items() if not k.startswith("_")}
+    if name not in links:
+        raise ValueError(f"unknown link {name!r}: use one of {', '.join(sorted(links))}")
+    return LinkProfile(name=name, **links[name])

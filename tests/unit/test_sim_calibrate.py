@@ -1,0 +1,33 @@
+"""Calibration: the fit recovers a known machine from its step times, and says when the
+measurements fit no roofline."""
+from __future__ import annotations
+
+import pytest
+
+from sim.calibrate import Sample, fit
+from sim.cost import Roofline, StepWork
+from sim.hardware import DeviceProfile
+from sim.shapes import load_shape
+
+
+def test_fit_recovers_the_profile_that_made_the_samples() -> None:
+    shape = load_shape("bench")
+    truth = DeviceProfile(name="t", peak_flops=210e9, mem_bw=21e9, mem_bytes=8e9, step_overhead_s=0.004,
+                          dtype_bytes=4)
+    r = Roofline(shape, truth)
+    works = [("prefill", StepWork.of([(n, 0, True)])) for n in (128, 512, 1024)]
+    works += [("decode", StepWork.of([(1, 258, True)] * b)) for b in (1, 2, 4)]
+    profile, report = fit(shape, [Sample(k, w, r.step_s(w)) for k, w in works], dtype_bytes=4)
+    assert profile.peak_flops == pytest.approx(210e9, rel=1e-6)
+    assert profile.mem_bw == pytest.approx(21e9, rel=1e-6)
+    assert profile.step_overhead_s == pytest.approx(0.004, rel=1e-6)
+    assert report["max_abs_error"] < 1e-6
+
+
+def test_measurements_no_roofline_explains_are_refused() -> None:
+    shape = load_shape("bench")
+    # Longer prompts measured faster than short ones: a negative compute time per flop.
+    samples = [Sample("prefill", StepWork.of([(n, 0, True)]), t) for n, t in ((128, 0.5), (1024, 0.1))]
+    samples.append(Sample("decode", StepWork.of([(1, 10, True)]), 0.01))
+    with pytest.raises(ValueError, match="calibrate again"):
+        fit(shape, samples, dtype_bytes=4)

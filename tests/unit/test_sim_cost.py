@@ -1,0 +1,66 @@
+"""The roofline: a long prefill chunk is compute-bound, a decode step memory-bound, and the
+figures follow from the shapes and the device profile."""
+from __future__ import annotations
+
+import pytest
+
+from sim.cost import Roofline, StepWork
+from sim.hardware import load_device, load_link
+from sim.shapes import load_shape
+
+
+def test_prefill_is_compute_bound_and_decode_memory_bound() -> None:
+    r = Roofline(load_shape("Qwen3-32B"), load_device("H200"))
+    prefill = StepWork.of([(4096, 0, True)])
+    decode = StepWork.of([(1, 2048, True)] * 32)
+    assert r.compute_bound(prefill) and not r.compute_bound(decode)
+    assert r.step_s(prefill) == pytest.approx(r.compute_s(prefill) + r.device.step_overhead_s)
+    assert r.step_s(decode) == pytest.approx(r.memory_s(decode) + r.device.step_overhead_s)
+
+
+def test_the_switch_happens_where_flops_per_byte_cross_the_device_ridge() -> None:
+    r = Roofline(load_shape("Llama-3-70B"), load_device("H100-SXM"))
+    ridge = r.device.peak_flops * r.device.compute_eff / (r.device.mem_bw * r.device.bw_eff)
+    bound = [r.compute_bound(StepWork.of([(n, 0, True)])) for n in (1, 16, 64, 256, 1024, 4096)]
+    assert bound == sorted(bound) and bound[0] is False and bound[-1] is True  # switches once
+    # Below the ridge a dense model reads each weight byte for ~1 flop per token: 2 flops / 2 bytes.
+    n = next(n for n in range(1, 4096) if r.compute_bound(StepWork.of([(n, 0, True)])))
+    assert 0.8 * ridge < n < 1.3 * ridge
+
+
+def test_decode_time_is_weights_plus_kv_over_bandwidth() -> None:
+    shape, dev = load_shape("Qwen2.5-7B"), load_device("H200")
+    r = Roofline(shape, dev)
+    w = StepWork.of([(1, 1000, True)] * 8)
+    kv = shape.kv_bytes_per_token(2) * (8 * 1001 + 8)
+    weights = (shape.layers * (shape.attn_params + shape.mlp_params) + shape.vocab * shape.hidden) * 2
+    assert r.bytes(w) == pytest.approx(weights + kv)
+    assert r.memory_s(w) == pytest.approx((weights + kv) / (dev.mem_bw * dev.bw_eff))
+
+
+def test_moe_reads_only_the_experts_its_tokens_chose() -> None:
+    shape = load_shape("Qwen3-30B-A3B")
+    r = Roofline(shape, load_device("H20"))
+    one, many = r.bytes(StepWork.of([(1, 0, True)])), r.bytes(StepWork.of([(4096, 0, True)]))
+    assert shape.experts == 128 and shape.experts_per_tok == 8
+    assert one < 0.25 * shape.weight_bytes(2) < many  # one token touches 8 of 128 experts per layer
+    assert r.flops(StepWork.of([(1, 0, False)])) < 0.2 * 2 * shape.params  # ~3B active of 30B
+
+
+def test_tensor_parallel_splits_the_work_and_pays_all_reduces() -> None:
+    shape, dev = load_shape("Llama-3-70B"), load_device("H100-SXM")
+    one = Roofline(shape, dev)
+    two = Roofline(shape, dev, tp=2, tp_link=load_link("nvlink4"))
+    w = StepWork.of([(2048, 0, True)])
+    assert two.flops(w) == pytest.approx(one.flops(w) / 2)
+    assert one.step_s(w) / 2 < two.step_s(w) < one.step_s(w)
+    with pytest.raises(ValueError, match="does not fit"):
+        one.kv_capacity_tokens()  # 141 GB of bf16 weights on one 80 GB card
+    assert two.kv_capacity_tokens() > 0
+
+
+def test_unknown_names_say_what_exists() -> None:
+    with pytest.raises(ValueError, match="H200"):
+        load_device("B300")
+    with pytest.raises(ValueError, match="Qwen3-32B"):
+        load_shape("no-such-model")
