@@ -313,8 +313,8 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(400, f"request body ended after {len(data)} of {length} bytes (Content-Length)")
         try:
             body = json.loads(data or b"null")
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+        except (ValueError, UnicodeDecodeError, RecursionError, OverflowError) as exc:  # too deep, too big
+            raise ApiError(400, f"request body is not valid JSON: {type(exc).__name__}: {exc}"[:200]) from None
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
         return body

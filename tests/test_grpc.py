@@ -20,7 +20,7 @@ import pytest
 import ray
 from brigade_client import AsyncClient, Client, DeadlineExceeded, ResourceExhausted, Unavailable
 from brigade_client.v1 import brigade_pb2 as pb
-from invalid_cases import CASES, Limits
+from invalid_cases import GRPC_CASES, Limits
 
 from cluster.backend import ClusterBackend
 from cluster.config import ClusterConfig
@@ -223,14 +223,14 @@ def _proto_request(neutral: dict) -> pb.GenerateRequest:
         req.token_ids.ids.extend(prompt)
     req.sampling.SetInParent()
     for name, value in neutral.items():
-        if name == "stop":
-            req.sampling.stop.extend(value)
+        if name in ("stop", "stop_token_ids"):
+            getattr(req.sampling, name).extend(value)
         elif name != "prompt":
             setattr(req.sampling, name, value)
     return req
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("case", GRPC_CASES, ids=[c.name for c in GRPC_CASES])
 def test_invalid_requests_name_the_field_and_reach_no_worker(door, cluster, case) -> None:
     backend = cluster[1]
     limits = Limits(max_model_len=backend.max_model_len, vocab_size=backend.vocab_size)

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from invalid_cases import CASES, Limits
+from invalid_cases import HTTP_CASES, Limits
 
 from engine.llm_engine import check_request
 from engine.outputs import Usage
@@ -221,7 +221,7 @@ def test_models_and_unknown_model(server: ApiServer) -> None:
 # -- refusals -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("case", HTTP_CASES, ids=[c.name for c in HTTP_CASES])
 def test_invalid_request_table(server: ApiServer, case) -> None:
     status, err, _ = post(f"{server.url}/v1/completions", case.request(LIMITS))
     assert status == 400, err
@@ -230,6 +230,20 @@ def test_invalid_request_table(server: ApiServer, case) -> None:
     assert not server.backend.calls  # refused before any work was queued
     status, done, _ = post(f"{server.url}/v1/completions", {"prompt": "ok", "max_tokens": 3})
     assert status == 200 and done["choices"][0]["text"] == "abc"
+
+
+@pytest.mark.parametrize("raw", [
+    b"[" * 100_000 + b"]" * 100_000,  # RecursionError in the parser
+    b'{"prompt": "hi", "a":' + b'{"b":' * 50_000 + b"1" + b"}" * 50_001,
+    b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}",  # past Python's int-parsing limit
+    b'{"prompt": "hi", "temperature": 1e999999}',  # inf
+], ids=["nested list", "nested object", "huge int", "huge float"])
+def test_hostile_json_is_400_not_500(server: ApiServer, raw: bytes) -> None:
+    status, err, _ = post(f"{server.url}/v1/completions", raw)
+    assert status == 400, err
+    assert len(err["error"]["message"]) <= 200
+    assert not server.backend.calls
+    assert post(f"{server.url}/v1/completions", {"prompt": "ok", "max_tokens": 3})[0] == 200
 
 
 CHAT_INVALID = [
