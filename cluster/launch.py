@@ -12,7 +12,7 @@ from cluster.config import ClusterConfig, cpu_budget
 from decode_worker.actor import DecodeActor
 from decode_worker.group import Group, start_group, stop_group
 from engine import Role
-from kv_transfer.config import NODE_HOST
+from kv_transfer.config import NODE_HOST, TransferConfig
 from prefill_worker.actor import PrefillActor
 from router.actor import RouterActor
 from router.config import IndexLink
@@ -103,6 +103,10 @@ class Cluster:
     workers: dict[str, object] = field(default_factory=dict)  # worker id -> actor handle
     groups: dict[str, Group] = field(default_factory=dict)  # worker id -> its ranks, for TP/EP workers
     retired: list[str] = field(default_factory=list)  # replaced workers' ids, never reused
+    transfer: TransferConfig | None = None  # cfg.transfer with this cluster's KV join secret
+
+    def __post_init__(self) -> None:
+        self.transfer = (self.transfer or self.cfg.transfer).with_secret()  # one secret for every worker
 
     def add_worker(self, role: str) -> str:
         """Start one more worker and hand it to the router (which pairs it with its peers)."""
@@ -114,9 +118,9 @@ class Cluster:
         def start(engine_cfg, options: dict):
             opts = {**options, "name": worker_id, "max_concurrency": 1000}
             if role == "prefill":
-                return PrefillActor.options(**opts).remote(worker_id, engine_cfg, cfg.transfer, self.index)
+                return PrefillActor.options(**opts).remote(worker_id, engine_cfg, self.transfer, self.index)
             engine_role = Role.MIXED if role == "mixed" else Role.DECODE
-            return DecodeActor.options(**opts).remote(worker_id, engine_cfg, cfg.transfer, engine_role, self.index)
+            return DecodeActor.options(**opts).remote(worker_id, engine_cfg, self.transfer, engine_role, self.index)
 
         tp, ep = cfg.parallel.sizes(role)
         custom = cfg.placement.resources(role)  # e.g. only the pods of a KubeRay worker group have them
@@ -127,7 +131,7 @@ class Cluster:
                 # The group's rendezvous is on its own node when transfer.host is "node" (pods), else on --host.
                 rendezvous = NODE_HOST if cfg.transfer.host == NODE_HOST else cfg.host
                 group = start_group(worker_id, start, engine_cfg, tp, ep, {**bundle, **custom}, rendezvous,
-                                    cfg.parallel.timeout_s, receive_kv=cfg.transfer if role == "decode" else None)
+                                    cfg.parallel.timeout_s, receive_kv=self.transfer if role == "decode" else None)
                 handle = group.leader
             else:
                 handle = start(engine_cfg, {**place.options, "resources": custom} if custom else place.options)

@@ -116,7 +116,7 @@ class Router:
 
     async def _pair(self, prefill: WorkerRef, decode: WorkerRef) -> None:
         address = await decode.handle.address.remote()
-        accepted, _ = await asyncio.gather(decode.handle.accept.remote(),
+        accepted, _ = await asyncio.gather(decode.handle.accept.remote(prefill.worker_id),
                                            prefill.handle.connect.remote(decode.worker_id, address))
         if accepted != prefill.worker_id:
             raise RuntimeError(f"{decode.worker_id} accepted {accepted!r} while pairing {prefill.worker_id!r}")
