@@ -62,6 +62,7 @@ class DecodeWorker:
         self.buffers: dict[str, torch.Tensor] = {}  # per channel: a reused flat receive buffer
         self.reserved: dict[str, list[int]] = {}  # request id -> its reserved blocks
         self.reserved_at: dict[str, float] = {}
+        self.reserved_tokens: dict[str, int] = {}  # what a pulled header must say, before any allocation
         self.pulling: set[str] = set()  # requests whose KV is being written into their blocks
         self.pull_done = threading.Condition()
         self.sweeper = LeaseSweeper(self.free_stale_reservations,
@@ -71,9 +72,10 @@ class DecodeWorker:
     def address(self) -> tuple[str, int]:
         return self.server.address
 
-    def accept(self) -> str:
-        """Accept the next prefill worker that connects; returns its id."""
-        channel = self.server.accept(self.layout, self.shard)
+    def accept(self, expect: str | None = None) -> str:
+        """Accept the next prefill worker that connects (with the cluster's secret, and named
+        `expect` when given: the router says whom); returns its id."""
+        channel = self.server.accept(self.layout, self.shard, expect=expect)
         self.locks.setdefault(channel.peer, threading.Lock())
         old = self.channels.pop(channel.peer, None)
         if old is not None:
@@ -104,6 +106,7 @@ class DecodeWorker:
             try:
                 self.reserved[request_id] = engine.reserve(request_id, num_tokens)
                 self.reserved_at[request_id] = time.monotonic()
+                self.reserved_tokens[request_id] = num_tokens
                 return True
             except NoFreeBlocks:
                 return False
@@ -133,6 +136,11 @@ class DecodeWorker:
                 if header.request_id != request_id:  # cannot happen while pulls are serialised per channel
                     channel.refuse(header)
                     raise KVTransferError(f"expected KV of {request_id!r}, got {header.request_id!r}")
+                expected = (self.reserved_tokens.get(request_id), len(blocks))
+                if (header.num_tokens, header.num_blocks) != expected:  # refused before any buffer grows
+                    channel.refuse(header)
+                    raise KVTransferError(f"KV of {request_id!r} claims {header.num_tokens} tokens in "
+                                          f"{header.num_blocks} blocks; {expected[0]} in {expected[1]} were reserved")
                 # Written from this thread, not the engine's: reserved blocks belong to no running
                 # sequence until admit(), so the step never touches them, and abort() waits for
                 # us (below) before it can hand them to anyone else.
@@ -179,6 +187,7 @@ class DecodeWorker:
         def admit(engine: LLMEngine) -> None:
             self.reserved.pop(request_id, None)  # the engine's sequence owns the blocks from here
             self.reserved_at.pop(request_id, None)
+            self.reserved_tokens.pop(request_id, None)
             self.loop.watch_now(request_id, sink)
             try:
                 engine.admit(request_id, prompt_token_ids, first_token_id, params, cached_tokens, first_logprobs,
@@ -198,6 +207,7 @@ class DecodeWorker:
             self.pull_done.wait_for(lambda: request_id not in self.pulling)
         self.reserved.pop(request_id, None)
         self.reserved_at.pop(request_id, None)
+        self.reserved_tokens.pop(request_id, None)
         return self.loop.abort(request_id).result()
 
     def health(self) -> dict:
