@@ -57,6 +57,9 @@ class AuthConfig(_Frozen):
     token_file: str | None = None  # one token per line: TOKEN or TENANT TOKEN
     token_env: str | None = None  # the name of an env var holding TOKEN[,TOKEN...]
     public_health: bool = True  # health checks (probes) need no token
+    # The name of an env var holding TOKEN[,TOKEN...] good for GET /metrics only (a scraper's),
+    # refused everywhere else. Unset or empty: none. Needs token_file or token_env.
+    metrics_token_env: str | None = None
 
 
 class TLSConfig(_Frozen):

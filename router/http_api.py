@@ -208,10 +208,12 @@ class Handler(BaseHTTPRequestHandler):
                 if not self.server.frontdoor.auth.public_health:
                     self._authorize()
                 return self._health()
+            if path == "/metrics":  # a scraper's metrics-only token is good here, and only here
+                if not self.server.auth.may_scrape(self.headers.get("Authorization")):
+                    self._authorize()  # the 401
+                return self._metrics()
             self._authorize()
-            if path == "/metrics":
-                self._metrics()
-            elif path == "/v1/models":
+            if path == "/v1/models":
                 self._send(200, {"object": "list", "data": [self._model()]})
             elif path.startswith("/v1/models/"):
                 name = path.removeprefix("/v1/models/")

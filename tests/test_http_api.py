@@ -374,6 +374,21 @@ def test_auth_needs_a_known_bearer_token_and_salts_by_tenant(authed: ApiServer) 
     assert metric(authed, "brigade_requests_total", door="http", outcome="unauthenticated") == 4
 
 
+def test_a_metrics_only_token_reads_metrics_and_nothing_else() -> None:
+    scraper = "scraper-token-0123456789"
+    server = start(auth=Authenticator({ACME: "acme"}, metrics_tokens=(scraper,)))
+    try:
+        assert get(f"{server.url}/metrics", scraper)[0] == 200
+        assert get(f"{server.url}/metrics", ACME)[0] == 200
+        assert get(f"{server.url}/metrics")[0] == 401
+        assert get(f"{server.url}/v1/models", scraper)[0] == 401
+        assert post(f"{server.url}/v1/completions", {"prompt": "hi"}, scraper)[0] == 401
+        assert not server.backend.calls
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_private_health_needs_the_token() -> None:
     cfg = FrontDoorConfig(auth={"token_env": "X", "public_health": False})
     server = start(cfg, Authenticator({ACME: "acme"}))
