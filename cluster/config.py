@@ -85,7 +85,7 @@ class ClusterConfig(_Frozen):
         if self.mode == "disaggregated" and self.prefill < 1:
             raise ValueError("disaggregated mode needs at least one prefill worker (--prefill >= 1)")
         if self.redis_password_env and self.redis_url is None:
-            raise ValueError("redis_password_env needs redis_url (the embedded redis-server has no password)")
+            raise ValueError("redis_password_env needs redis_url (the embedded redis-server makes its own password)")
         if is_wildcard(self.host):
             raise ValueError("host must be a specific address (e.g. 127.0.0.1 or the pod IP), not a wildcard")
         cache_role = "mixed" if self.mode == "colocated" else "prefill"  # the workers whose tiers would hold KV

@@ -24,6 +24,7 @@ import yaml
 
 from cluster.cli import UsageError
 from cluster.config import ClusterConfig, redis_url_with_password
+from cluster.ray_auth import check_ray_exposure
 from router.auth import Authenticator, AuthSetupError
 from router.grpc_server import GrpcServer
 from router.http_api import ApiServer, TLSSetupError
@@ -50,6 +51,7 @@ def run(args, cfg: ClusterConfig) -> int:
     try:  # one of each per process, shared by both front doors
         auth = Authenticator.from_config(cfg.frontdoor.auth)
         redis_url = redis_url_with_password(cfg.redis_url, cfg.redis_password_env) if cfg.redis_url else None
+        check_ray_exposure(cfg.host, cfg.ray_address)  # RayAuthOff is a ValueError
     except (AuthSetupError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     if getattr(args, "check", False):
@@ -223,7 +225,7 @@ class _Services:
         try:
             if redis_url is None:
                 self.redis = EmbeddedRedis().start()
-                print(f"redis: embedded redis-server at {self.redis.url}", file=sys.stderr, flush=True)
+                print(f"redis: embedded redis-server at {self.redis.shown_url}", file=sys.stderr, flush=True)
                 redis_url = self.redis.url
             connect(redis_url).close()  # a wrong password or unreachable Redis fails here, saying which
         except (RedisServerError, RegistryError) as exc:
