@@ -10,7 +10,7 @@ MAX_STOP_CHARS = 256  # one stop string; the detokenizer holds back this much te
 MAX_STOP_TOTAL_CHARS = 1024  # all stop strings together: each step searches the text for every one
 MAX_STOP_TOKEN_IDS = 64
 MAX_TOKENS_LIMIT = 2**31 - 1  # far above any context; the engine checks the real bound (check_request)
-SEED_RANGE = (-(2**63), 2**63)  # int64, what torch generators and the gRPC field hold
+SEED_RANGE = (-(2**63), 2**64)  # int64 or uint64: what torch generators take (a migration's shifted seed is uint64)
 GREEDY_BELOW = 1e-5  # a temperature this small is greedy: dividing logits by it overflows to inf
 
 

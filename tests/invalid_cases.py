@@ -52,7 +52,7 @@ CASES = [
          ("http",)),
     Case("top_k over the vocabulary", lambda m: {"prompt": "hi", "top_k": m.vocab_size + 1}, "top_k"),
     Case("top_k int32 max", lambda m: {"prompt": "hi", "top_k": 2**31 - 1}, "top_k"),
-    Case("seed past int64", lambda m: {"prompt": "hi", "seed": 2**63}, "seed", ("http",)),
+    Case("seed past uint64", lambda m: {"prompt": "hi", "seed": 2**64}, "seed", ("http",)),
     Case("seed below int64", lambda m: {"prompt": "hi", "seed": -(2**63) - 1}, "seed", ("http",)),
     Case("max_tokens past int64", lambda m: {"prompt": "hi", "max_tokens": 2**64}, "max_tokens", ("http",)),
     Case("max_tokens over the cap", lambda m: {"prompt": "hi", "max_tokens": MAX_TOKENS_LIMIT + 1}, "max_tokens"),

@@ -73,7 +73,7 @@ def test_hostile_fields_are_refused_and_the_engine_serves_on(engine: LLMEngine, 
 
 
 @pytest.mark.parametrize(("fields", "field"), [
-    (dict(seed=2**63), "seed"),
+    (dict(seed=2**64), "seed"),
     (dict(seed=-(2**63) - 1), "seed"),
     (dict(temperature=10**400), "temperature"),
     (dict(top_p=float("nan")), "top_p"),
@@ -96,8 +96,8 @@ def test_sampling_params_bound_every_field(fields, field) -> None:
 
 
 def test_sampling_params_largest_valid_values() -> None:
-    p = SamplingParams(seed=2**63 - 1, stop=["x" * 256] * 4, stop_token_ids=[0] * 64, temperature=10**300)
-    assert p.seed == 2**63 - 1 and isinstance(p.temperature, float)
+    p = SamplingParams(seed=2**64 - 1, stop=["x" * 256] * 4, stop_token_ids=[0] * 64, temperature=10**300)
+    assert p.seed == 2**64 - 1 and isinstance(p.temperature, float)
     assert SamplingParams(seed=-(2**63)).seed == -(2**63)
     assert SamplingParams(temperature=1e-9).greedy  # dividing by it would overflow the logits
 
