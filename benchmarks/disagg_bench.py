@@ -1,6 +1,6 @@
 """Disaggregation benchmark: what splitting prefill from decode costs and what it buys.
 
-Three ratios, all measured in ONE run on the `bench` preset (Qwen3: hidden 512, 8 layers, 8/2 heads,
+Four ratios, all measured in ONE run on the `bench` preset (Qwen3: hidden 512, 8 layers, 8/2 heads,
 head_dim 64, vocab 32k; random weights, no download) in float32. Each compares against a baseline
 taken in the same run, on the same cores, so it stays meaningful across machines:
 
@@ -33,6 +33,15 @@ taken in the same run, on the same cores, so it stays meaningful across machines
       no decode step runs before the first token, which the prefill produced), and the hop from the
       router to this driver (client TTFT - router TTFT). The engine's own prefill time (phase 1,
       same thread count, no Ray) is kept next to it.
+
+  disagg_ttft_vs_engine         (target <= 1.1)
+      What disaggregation adds to the time to first token: the cluster's TTFT (1 prefill + 1 decode
+      worker, 1 torch thread each; seen by this driver) divided by the same prompt's on one bare
+      LLMEngine in this process (mixed role, the same engine settings, 1 torch thread, no Ray, no
+      router): add_request to the first token out of step(). The same sequential prompts as
+      transfer_share_of_ttft; each prompt runs on the cluster, then on the engine, rep by rep, so
+      load drift hits both alike. Median over requests of each, then the ratio. The first token
+      leaves the router from the prefill result, so the KV transfer is not part of it.
 
   itl_p99_disagg_vs_colocated   (target <= 0.5)
       Inter-token latency p99 of running decodes while 2,048-token prompts keep arriving:
@@ -96,6 +105,7 @@ NAME = "disagg_bench"
 TARGETS = {
     "transfer_vs_raw_gloo": ">= 0.7",
     "transfer_share_of_ttft": "<= 0.15",
+    "disagg_ttft_vs_engine": "<= 1.1",
     "itl_p99_disagg_vs_colocated": "<= 0.5",
 }
 BLOCK_SIZE = 16
@@ -394,12 +404,13 @@ def phase_engine_reference(plan: Plan, model: str, seed: int) -> dict:
 
 # -- cluster plumbing ------------------------------------------------------------------------------
 def cluster_config(model: str, plan: Plan, mode: str):
-    from cluster.config import ClusterConfig, WorkerEngine
+    from cluster.config import ClusterConfig
 
     return ClusterConfig(
         model=model, mode=mode, prefill=1, decode=1, num_cpus=CORES,
-        engine=WorkerEngine(dtype="float32", block_size=BLOCK_SIZE, num_blocks=plan.num_blocks,
-                            max_num_batched_tokens=plan.max_num_batched_tokens, max_num_seqs=plan.max_num_seqs))
+        engine={"dtype": "float32", "cache": {"block_size": BLOCK_SIZE, "num_blocks": plan.num_blocks},
+                "scheduler": {"max_num_batched_tokens": plan.max_num_batched_tokens,
+                              "max_num_seqs": plan.max_num_seqs}})
 
 
 async def consume(cl, req, rec: dict) -> dict:
@@ -430,38 +441,59 @@ def timing_of(rec: dict) -> dict:
 
 
 # -- 2. TTFT breakdown ------------------------------------------------------------------------------
-async def run_ttft(cl, plan: Plan, vocab: int, seed: int, show: bool) -> dict:
-    from router.types import GenerateRequest
+def engine_ttft(engine: LLMEngine, rid: str, prompt: list[int]) -> float:
+    """Seconds from add_request to the first token on a bare engine (no Ray, no router)."""
+    start = time.perf_counter()
+    engine.add_request(rid, prompt, greedy(2))
+    while not any(o.request_id == rid and o.new_token_ids for o in engine.step()):
+        pass
+    ttft = time.perf_counter() - start
+    engine.abort(rid)
+    return ttft
+
+
+async def run_ttft(cl, plan: Plan, model: str, vocab: int, seed: int, show: bool) -> dict:
+    from engine.messages import GenerateRequest
 
     rng = np.random.default_rng(seed + 202)
     L = plan.ttft_prompt_len
     reqs, warm = [], []
-    with C.progress(f"TTFT, sequential {L}-token prompts ({plan.ttft_warmup} warm-up)",
+    # The baseline of disagg_ttft_vs_engine: one engine with the workers' settings and thread count.
+    engine = LLMEngine(engine_config(model, plan, Role.MIXED, 1))
+    with C.progress(f"TTFT, sequential {L}-token prompts ({plan.ttft_warmup} warm-up), cluster then engine",
                     plan.ttft_warmup + plan.ttft_reps, show) as advance:
         for i in range(plan.ttft_warmup + plan.ttft_reps):
-            rec = await consume(cl, GenerateRequest(f"ttft-{i}", random_ids(rng, L, vocab), greedy(2)), {})
-            (warm if i < plan.ttft_warmup else reqs).append(timing_of(rec))
+            prompt = random_ids(rng, L, vocab)
+            rec = await consume(cl, GenerateRequest(f"ttft-{i}", prompt, greedy(2)), {})
+            r = timing_of(rec)
+            r["engine_ttft_s"] = engine_ttft(engine, f"engine-ttft-{i}", prompt)
+            (warm if i < plan.ttft_warmup else reqs).append(r)
             advance()
+    engine.close()
     for r in reqs:
         r["share"] = r["transfer_s"] / r["ttft_s"]
         r["router_rest_s"] = r["ttft_s"] - r["queue_s"] - r["prefill_s"] - r["transfer_s"]
         r["driver_hop_s"] = r["client_ttft_s"] - r["ttft_s"]
     keys = ("queue_s", "prefill_s", "transfer_s", "router_rest_s", "driver_hop_s", "ttft_s", "client_ttft_s",
-            "share")
+            "share", "engine_ttft_s")
     return {
         "prompt_len": L, "reps": plan.ttft_reps, "warmup": plan.ttft_warmup, "max_tokens": 2,
         "requests": reqs, "warmup_requests": warm,
         "median": {k: med([r[k] for r in reqs]) for k in keys},
         "share_of_medians": med([r["transfer_s"] for r in reqs]) / med([r["ttft_s"] for r in reqs]),
+        "vs_engine": med([r["client_ttft_s"] for r in reqs]) / med([r["engine_ttft_s"] for r in reqs]),
+        "router_ttft_vs_engine": med([r["ttft_s"] for r in reqs]) / med([r["engine_ttft_s"] for r in reqs]),
         "any_recomputed": any(r["recomputed"] for r in reqs),
         "transfer_bytes": sorted({r["transfer_bytes"] for r in reqs}),
         "breakdown_doc": {
             "queue_s": "router admission (Timing.queue_s)",
             "prefill_s": "router: prefill RPC to the prefill worker, first token back (engine prefill + Ray hop)",
             "transfer_s": "decode worker pull: push RPC to the prefill worker, export_kv, send, recv, write_kv",
-            "router_rest_s": "ttft - queue - prefill - transfer: reserve RPC, decode.generate start, admit, "
-                             "first chunk back to the router (the brief's 'first decode step'; the first token "
-                             "itself comes from the prefill)",
+            "router_rest_s": "ttft - queue - prefill - transfer (negative: the first token leaves from the "
+                             "prefill result, so the transfer overlaps the stream after it): reserve RPC, "
+                             "picking, the first chunk's hop",
+            "engine_ttft_s": "the same prompt on one bare engine in this driver (1 thread): add_request to "
+                             "the first token",
             "driver_hop_s": "client TTFT (driver submit -> first chunk here) - router TTFT: driver <-> router "
                             "actor hops"},
     }
@@ -469,7 +501,7 @@ async def run_ttft(cl, plan: Plan, vocab: int, seed: int, show: bool) -> dict:
 
 # -- 3. ITL while long prompts arrive -------------------------------------------------------------
 async def run_itl(cl, plan: Plan, mode: str, vocab: int, seed: int, show: bool) -> dict:
-    from router.types import GenerateRequest
+    from engine.messages import GenerateRequest
 
     rng = np.random.default_rng(seed + (303 if mode == "disaggregated" else 404))
     dec_recs = [{} for _ in range(plan.itl_decodes)]
@@ -558,7 +590,7 @@ def phase_cluster(plan: Plan, model: str, mode: str, seed: int, show: bool, with
     try:
         async def body():
             if with_ttft:
-                out["ttft"] = await run_ttft(cl, plan, vocab, seed, show)
+                out["ttft"] = await run_ttft(cl, plan, model, vocab, seed, show)
             out["itl"] = await run_itl(cl, plan, mode, vocab, seed, show)
         asyncio.run(body())
         out["worker_stats_after"] = cl.stats()
@@ -749,7 +781,8 @@ def main(argv: list[str] | None = None) -> int:
             m = disagg["ttft"]["median"]
             print(f"  TTFT {m['client_ttft_s'] * 1e3:.0f} ms (client): queue {m['queue_s'] * 1e3:.1f}, prefill "
                   f"{m['prefill_s'] * 1e3:.0f}, transfer {m['transfer_s'] * 1e3:.1f}, rest "
-                  f"{m['router_rest_s'] * 1e3:.1f}, driver hop {m['driver_hop_s'] * 1e3:.1f} ms")
+                  f"{m['router_rest_s'] * 1e3:.1f}, driver hop {m['driver_hop_s'] * 1e3:.1f} ms; one bare engine "
+                  f"{m['engine_ttft_s'] * 1e3:.0f} ms")
             s = disagg["itl"]["itl_window_s"]
             print(f"  ITL (prefills arriving) p50 {s['p50'] * 1e3:.1f} ms, p99 {s['p99'] * 1e3:.1f} ms "
                   f"over {s['n']} gaps; quiet p50 {disagg['itl']['itl_quiet_s']['p50'] * 1e3:.1f} ms")
@@ -773,6 +806,7 @@ def main(argv: list[str] | None = None) -> int:
     ratios = {
         "transfer_vs_raw_gloo": xfer["raw_median_s"] / xfer["ours_median_s"] if xfer else None,
         "transfer_share_of_ttft": disagg["ttft"]["median"]["share"] if disagg else None,
+        "disagg_ttft_vs_engine": disagg["ttft"]["vs_engine"] if disagg else None,
         "itl_p99_disagg_vs_colocated": p99(disagg) / p99(coloc) if p99(disagg) and p99(coloc) else None,
     }
     machine["load_average_end"] = C.load_average()

@@ -113,8 +113,8 @@ class ClientProcess:
 def direct(router, tokens: int, concurrent: int = 0) -> dict:
     """The router's Python API from this process: one request's e2e time, or chunks per second
     over `concurrent` streams."""
+    from engine.messages import GenerateRequest
     from engine.sampling import SamplingParams
-    from router.types import GenerateRequest
 
     params = SamplingParams(**body(tokens))
 
@@ -157,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     from cluster.config import ClusterConfig
     from cluster.launch import launch
     from router.config import FrontDoorConfig
-    from router.grpc_server import GrpcServer
-    from router.http_api import ApiServer
+    from router.grpc.server import GrpcServer
+    from router.http.server import ApiServer
     from router.metrics import FrontDoorMetrics
 
     plan = QUICK if args.quick else FULL
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{NAME}{' --quick' if args.quick else ''}: tiny preset, {plan}; "
           f"load average {machine['load_average_start']}")
     t0 = time.perf_counter()
-    cfg = ClusterConfig(http_port=0, grpc_port=0, engine={"num_blocks": 1024})
+    cfg = ClusterConfig(http_port=0, grpc_port=0, engine={"cache": {"num_blocks": 1024}})
     backend = ClusterBackend(cfg)
     http = ApiServer(cfg.host, 0)
     grpc_door = GrpcServer(cfg.host, 0, FrontDoorConfig(), FrontDoorMetrics())

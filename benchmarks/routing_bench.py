@@ -116,7 +116,7 @@ def ideal_hit_ratio(requests: list[Request]) -> float:
 
 async def replay(router, requests: list[Request], salt: str) -> list[dict]:
     from engine import SamplingParams
-    from router.types import GenerateRequest
+    from engine.messages import GenerateRequest
 
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     start = time.monotonic()
@@ -160,7 +160,7 @@ def cluster_phase(plan: Plan, requests: list[Request]) -> dict:
     from cluster.redis_server import EmbeddedRedis
 
     cfg = ClusterConfig(prefill=4, decode=1, num_cpus=2,
-                        engine={"num_blocks": plan.num_blocks, "max_num_seqs": 64},
+                        engine={"cache": {"num_blocks": plan.num_blocks}, "scheduler": {"max_num_seqs": 64}},
                         router={"health_interval_s": 0.5})
     out: dict = {"config": cfg.model_dump(mode="json")}
     with EmbeddedRedis() as redis_server:
@@ -194,9 +194,10 @@ def cluster_phase(plan: Plan, requests: list[Request]) -> dict:
 def index_phase(plan: Plan, requests: list[Request]) -> dict:
     """p50/p99 of one longest-prefix query with plan.index_blocks blocks indexed (4 workers)."""
     from cluster.redis_server import EmbeddedRedis
-    from cluster.registry import connect
     from engine.block_hash import chain_hashes
-    from router.prefix_index import PrefixIndex, encode
+    from router.index.keys import encode
+    from router.index.query import PrefixIndex
+    from router.index.registry import connect
 
     rng = random.Random(0)
     with EmbeddedRedis() as srv:

@@ -1,8 +1,8 @@
-"""The front doors' backend for the cluster: checks requests in the driver, streams them
-through the RouterActor. The HTTP server's handler threads use the blocking generate() and
-health(); the gRPC server's event loop uses agenerate() (one thread per stream reads it with
-blocking gets and hands chunks to the loop: cheaper per chunk than iterating Ray's stream
-asynchronously) and ahealth(), neither of which blocks the loop.
+"""The front doors' backend for the cluster (router/backend.py's Backend): checks requests in
+the driver, streams them through the RouterActor. Both doors call the one async generate()
+(one thread per stream reads the router's stream with blocking gets and hands chunks to the
+caller's loop: cheaper per chunk than iterating Ray's stream asynchronously) and health(),
+neither of which blocks the loop.
 
 Tokenizing and validating need only the checkpoint's tokenizer.json and config.json (no
 weights, no engine), so a bad request is refused here with the engine's own message
@@ -14,21 +14,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 
 from cluster.config import ClusterConfig
 from engine.engine_setup import context_length, model_id_for
 from engine.llm_engine import check_request
+from engine.messages import Chunk, GenerateRequest
 from engine.model_config import ModelConfig
 from engine.presets import resolve_model
 from engine.sampling import InvalidRequest, SamplingParams
 from engine.tokenizer import Tokenizer, chat_token_ids, prompt_token_ids
-from router.types import Chunk, GenerateRequest, NoWorker
+from router.errors import NoWorker
 
 log = logging.getLogger(__name__)
 ABORT_DRAIN_S = 5.0  # how long an aborted stream may take to end before its task is cancelled
@@ -43,10 +43,10 @@ class ClusterBackend:
         path = resolve_model(cfg.model)
         model_cfg = ModelConfig.from_dir(path)
         self.tokenizer = Tokenizer.from_dir(path)
-        self.model_name = model_id_for(cfg.engine_config(None), path)
+        self.model_name = model_id_for(cfg.engine, path)
         self.vocab_size = model_cfg.vocab_size
         self.max_model_len = context_length(cfg.engine.max_model_len, model_cfg)
-        self.block_size = cfg.engine.block_size
+        self.block_size = cfg.engine.cache.block_size
         self.roles = ("mixed",) if cfg.mode == "colocated" else ("prefill", "decode")
         cfg.parallel.check_model(model_cfg, self.roles)
         self.router = None
@@ -79,24 +79,9 @@ class ClusterBackend:
         check_request(token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
                       block_size=self.block_size, num_blocks=self.num_blocks)
 
-    def generate(self, request_id: str, token_ids: list[int], params: SamplingParams, *,
-                 cache_salt: str | None = None) -> Iterator[Chunk]:
-        stream = self.router.generate.remote(GenerateRequest(request_id, token_ids, params, cache_salt=cache_salt))
-        finished = False
-        try:
-            for ref in stream:
-                chunk = _get(ref)
-                finished = chunk.finished
-                yield chunk
-                if finished:
-                    return
-        finally:
-            if not finished:  # the client left, or the stream failed: free the request's KV
-                self._abort(request_id, stream)
-
-    async def agenerate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
-        """generate() for an event loop, with the request's salt, session and priority. Leaving
-        early (aclose(), or the task cancelled) aborts the request and frees its KV.
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
+        """The request's chunks through the router. Leaving early (aclose(), or the task
+        cancelled) aborts the request and frees its KV.
 
         A thread reads the router's stream with blocking ray.get and hands chunks to the loop:
         iterating a Ray streaming generator asynchronously costs several times more per chunk."""
@@ -136,16 +121,9 @@ class ClusterBackend:
                 yield item
         finally:
             if not finished:  # shielded: a second cancellation must not stop the abort half-way
-                await asyncio.shield(self._aabort(req.request_id, stream, ended))
+                await asyncio.shield(self._abort(req.request_id, stream, ended))
 
-    def health(self) -> tuple[bool, dict]:
-        try:
-            status = ray.get(self.router.status.remote(), timeout=STATUS_TIMEOUT_S)
-        except (RayActorError, GetTimeoutError) as exc:
-            return False, {"reason": f"the router does not answer: {type(exc).__name__}"}
-        return self._health(status)
-
-    async def ahealth(self) -> tuple[bool, dict]:
+    async def health(self) -> tuple[bool, dict]:
         try:
             status = await asyncio.wait_for(self.router.status.remote(), STATUS_TIMEOUT_S)
         except (RayActorError, asyncio.TimeoutError) as exc:
@@ -165,32 +143,11 @@ class ClusterBackend:
         return not missing, details
 
     # -- helpers ------------------------------------------------------------------------
-    def _abort(self, request_id: str, stream) -> None:
+    async def _abort(self, request_id: str, stream, ended: asyncio.Event) -> None:
         """Abort at the router (which frees the KV on the workers and ends the stream with
-        finish_reason "abort"), read the stream to its end; cancel the router's task if it
-        does not end within ABORT_DRAIN_S (e.g. the request had not reached a worker yet)."""
-        try:
-            aborted = ray.get(self.router.abort.remote(request_id), timeout=STATUS_TIMEOUT_S)
-        except Exception as exc:
-            log.warning("abort of %s failed: %s", request_id, exc)
-            aborted = False
-        deadline = time.monotonic() + ABORT_DRAIN_S
-        try:
-            while aborted and (left := deadline - time.monotonic()) > 0:
-                ready, _ = ray.wait([stream], timeout=left)
-                if not ready:
-                    break
-                if ray.get(next(stream)).finished:
-                    return
-        except StopIteration:
-            return
-        except Exception as exc:  # the stream failed: nothing more to read
-            log.debug("aborted stream %s ended with %r", request_id, exc)
-            return
-        ray.cancel(stream)
-
-    async def _aabort(self, request_id: str, stream, ended: asyncio.Event) -> None:
-        """_abort() on the event loop, while agenerate's thread reads the stream to its end."""
+        finish_reason "abort") while generate's thread reads the stream to its end; cancel the
+        router's task if it does not end within ABORT_DRAIN_S (e.g. the request had not
+        reached a worker yet)."""
         try:
             aborted = await asyncio.wait_for(self.router.abort.remote(request_id), STATUS_TIMEOUT_S)
         except Exception as exc:

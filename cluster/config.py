@@ -3,18 +3,24 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cluster.parallel_config import WorkerParallelism
-from engine import CacheConfig, EngineConfig, SchedulerConfig
+from engine import EngineConfig, Role
 from engine.config import HiCacheConfig
 from kv_transfer import TransferConfig
 from kv_transfer.config import is_wildcard
 from router.config import FrontDoorConfig, IndexConfig, RouterConfig
+
+# EngineConfig fields each worker gets from worker_config, never from the file.
+PER_WORKER = ("model", "role", "num_threads", "parallel")
+PER_WORKER_HOW = {"role": "each worker's role follows --mode, --prefill and --decode",
+                  "num_threads": "--num-cpus sets every worker's share",
+                  "parallel": "use the top-level parallel section (prefill_tp, decode_tp, decode_ep)"}
 
 
 class _Frozen(BaseModel):
@@ -28,21 +34,6 @@ class SupervisorConfig(_Frozen):
     grace_s: float = Field(10.0, gt=0)  # unhealthy this long (by the router's checks) before it is replaced
     interval_s: float = Field(1.0, gt=0)
     status_timeout_s: float = Field(10.0, gt=0)
-
-
-class WorkerEngine(_Frozen):
-    """Engine settings every worker shares (each worker gets its own pool of this size)."""
-
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: str = "auto"
-    block_size: int = Field(16, ge=1)
-    num_blocks: int | None = Field(None, ge=2)
-    max_num_batched_tokens: int = Field(2048, ge=16)
-    max_num_seqs: int = Field(128, ge=1)
-    max_model_len: int | None = Field(None, ge=1)
-    # Host-memory and disk tiers under each prefill (or mixed) worker's pool; disk_dir gets one
-    # subdirectory per worker, named by its id, so a restarted worker re-indexes its own files.
-    hicache: HiCacheConfig = HiCacheConfig()
 
 
 class RayPlacement(_Frozen):
@@ -71,7 +62,9 @@ class ClusterConfig(_Frozen):
     http_port: int = Field(8000, ge=0, le=65535)
     grpc_port: int | None = Field(50051, ge=0, le=65535)  # None: no gRPC front door
     num_cpus: float | None = Field(None, gt=0)  # CPU cores the workers share; default: all
-    engine: WorkerEngine = WorkerEngine()
+    # Every worker's engine (each gets its own KV pool of this size); worker_config() finishes
+    # it per worker. Its `model` is the top-level `model`, kept in one place.
+    engine: EngineConfig = EngineConfig()
     router: RouterConfig = RouterConfig()
     index: IndexConfig = IndexConfig()
     frontdoor: FrontDoorConfig = FrontDoorConfig()
@@ -80,16 +73,34 @@ class ClusterConfig(_Frozen):
     supervisor: SupervisorConfig = SupervisorConfig()
     placement: RayPlacement = RayPlacement()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_model(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        model, engine = data.get("model", "tiny"), data.get("engine")
+        if isinstance(engine, EngineConfig):
+            return {**data, "engine": engine.model_copy(update={"model": model})}
+        if engine is None or isinstance(engine, dict):
+            if (engine or {}).get("model", model) != model:  # a printed config repeats it: fine
+                raise ValueError("engine.model: set the top-level `model` (--model) instead")
+            return {**data, "engine": {**(engine or {}), "model": model}}
+        return data  # not a mapping: pydantic names the bad value
+
     @model_validator(mode="after")
     def _check(self) -> ClusterConfig:
         if self.mode == "disaggregated" and self.prefill < 1:
             raise ValueError("disaggregated mode needs at least one prefill worker (--prefill >= 1)")
+        for name in PER_WORKER[1:]:  # the model is the top-level one (_one_model)
+            if getattr(self.engine, name) != EngineConfig.model_fields[name].default:
+                raise ValueError(f"engine.{name} is set per worker (cluster.config.worker_config); "
+                                 f"remove it from the config: {PER_WORKER_HOW[name]}")
         if self.redis_password_env and self.redis_url is None:
             raise ValueError("redis_password_env needs redis_url (the embedded redis-server makes its own password)")
         if is_wildcard(self.host):
             raise ValueError("host must be a specific address (e.g. 127.0.0.1 or the pod IP), not a wildcard")
         cache_role = "mixed" if self.mode == "colocated" else "prefill"  # the workers whose tiers would hold KV
-        if self.engine.hicache.enabled and self.parallel.ranks(cache_role) > 1:
+        if self.engine.cache.hicache.enabled and self.parallel.ranks(cache_role) > 1:
             # Each rank holds only its KV heads; the tiers copy one rank's pool. Until every rank
             # keeps its own tiers in step, the two do not mix.
             raise ValueError(f"HiCache is not supported on multi-rank {cache_role} workers yet; "
@@ -105,30 +116,26 @@ class ClusterConfig(_Frozen):
         """Processes all workers take together (a TP/EP worker is one per rank)."""
         return self.num_prefill * self.parallel.ranks("prefill") + self.decode * self.parallel.ranks("decode")
 
-    def engine_config(self, num_threads: int | None, worker_id: str | None = None) -> EngineConfig:
-        e = self.engine
-        cache = CacheConfig(block_size=e.block_size, num_blocks=e.num_blocks, hicache=self.worker_hicache(worker_id))
-        return EngineConfig(
-            model=self.model, dtype=e.dtype, device=e.device, max_model_len=e.max_model_len,
-            num_threads=num_threads, cache=cache,
-            scheduler=SchedulerConfig(max_num_batched_tokens=e.max_num_batched_tokens, max_num_seqs=e.max_num_seqs),
-        )
 
-    def worker_hicache(self, worker_id: str | None) -> HiCacheConfig:
-        """A worker's own HiCache settings. Decode workers never match prefixes (their KV comes
-        from a prefill worker), so tiers there would only cost copies: off."""
-        hc = self.engine.hicache
-        if not hc.enabled or worker_id is None:
-            return hc
-        if worker_id.startswith("decode-"):
-            return HiCacheConfig()
-        return hc.model_copy(update={"disk_dir": str(Path(hc.disk_dir) / worker_id)}) if hc.disk_dir else hc
+def worker_config(cfg: ClusterConfig, role: Role, worker_id: str, num_threads: int | None,
+                  publishes_events: bool = False) -> EngineConfig:
+    """The one place a worker's engine config is finished from the root config: its role, its
+    torch threads, its HiCache (decode workers never match prefixes, so none there: tiers would
+    only cost copies; a disk tier gets one subdirectory per worker id, so a restarted worker
+    re-indexes its own files), and its cache event log when it publishes to the index."""
+    hc = cfg.engine.cache.hicache
+    if hc.enabled and role == Role.DECODE:
+        hc = HiCacheConfig()
+    elif hc.enabled and hc.disk_dir:
+        hc = hc.model_copy(update={"disk_dir": str(Path(hc.disk_dir) / worker_id)})
+    cache = cfg.engine.cache.model_copy(update={"hicache": hc, "record_events": publishes_events})
+    return cfg.engine.model_copy(update={"role": role, "num_threads": num_threads, "cache": cache})
 
 
 def load_config(path: Path | str | None, overrides: dict) -> ClusterConfig:
     """The file's fields, then the flags that were given on top (None means not given).
 
-    Overrides may be nested (`{"engine": {"num_blocks": 64}}`): a flag replaces one field of a
+    Overrides may be nested (`{"engine": {"cache": {"num_blocks": 64}}}`): a flag replaces one field of a
     section, never the whole section from the file. Raises ValueError (a bad file) or
     pydantic's ValidationError (a bad field: unknown keys included, `extra="forbid"`).
     """

@@ -1,14 +1,19 @@
-"""Start or join Ray and place the router, prefill and decode actors (no front door here)."""
+"""Start or join Ray and place the router, prefill and decode actors (no front door here).
+
+The composition root of a cluster: each worker gets its engine config from
+cluster.config.worker_config, and, when the cluster has a prefix index, its cache-event
+publisher (router.index.publisher) handed in as a factory, so no worker imports the router."""
 from __future__ import annotations
 
 import ipaddress
 import logging
 import os
 from dataclasses import dataclass, field
+from functools import partial
 
 import ray
 
-from cluster.config import ClusterConfig, cpu_budget
+from cluster.config import ClusterConfig, cpu_budget, worker_config
 from decode_worker.actor import DecodeActor
 from decode_worker.group import Group, start_group, stop_group
 from engine import Role
@@ -16,6 +21,7 @@ from kv_transfer.config import NODE_HOST, TransferConfig
 from prefill_worker.actor import PrefillActor
 from router.actor import RouterActor
 from router.config import IndexLink
+from router.index.publisher import publishes_events, worker_publisher
 
 log = logging.getLogger(__name__)
 NAMESPACE = "brigade"
@@ -101,6 +107,7 @@ class Cluster:
     router: object
     index: IndexLink | None = None  # the prefix index and leases in Redis; None: routing by load only
     workers: dict[str, object] = field(default_factory=dict)  # worker id -> actor handle
+    roles: dict[str, str] = field(default_factory=dict)  # worker id -> "prefill" | "decode" | "mixed"
     groups: dict[str, Group] = field(default_factory=dict)  # worker id -> its ranks, for TP/EP workers
     retired: list[str] = field(default_factory=list)  # replaced workers' ids, never reused
     transfer: TransferConfig | None = None  # cfg.transfer with this cluster's KV join secret
@@ -113,14 +120,14 @@ class Cluster:
         cfg = self.cfg
         place = placements(cfg, max(1, cfg.num_ranks))
         worker_id = f"{role}-{sum(w.startswith(role + '-') for w in [*self.workers, *self.retired])}"
-        engine_cfg = cfg.engine_config(place.num_threads, worker_id)
+        publishes = self.index is not None and publishes_events(role)
+        engine_cfg = worker_config(cfg, Role(role), worker_id, place.num_threads, publishes)
+        publisher = partial(worker_publisher, self.index) if self.index is not None else None
 
         def start(engine_cfg, options: dict):
+            actor = PrefillActor if role == "prefill" else DecodeActor
             opts = {**options, "name": worker_id, "max_concurrency": 1000}
-            if role == "prefill":
-                return PrefillActor.options(**opts).remote(worker_id, engine_cfg, self.transfer, self.index)
-            engine_role = Role.MIXED if role == "mixed" else Role.DECODE
-            return DecodeActor.options(**opts).remote(worker_id, engine_cfg, self.transfer, engine_role, self.index)
+            return actor.options(**opts).remote(worker_id, engine_cfg, self.transfer, publisher)
 
         tp, ep = cfg.parallel.sizes(role)
         custom = cfg.placement.resources(role)  # e.g. only the pods of a KubeRay worker group have them
@@ -150,13 +157,14 @@ class Cluster:
         if group is not None:
             self.groups[worker_id] = group
         self.workers[worker_id] = handle
+        self.roles[worker_id] = role
         return worker_id
 
     def replace_worker(self, worker_id: str) -> str:
         """Tear a worker down (a TP/EP worker: all its ranks and its placement group, as a unit)
         and start a fresh one of the same role under a new id; returns that id. The router
         forgets the old one first, so nothing is routed or paired to it meanwhile."""
-        role = worker_id.rsplit("-", 1)[0]
+        role = self.roles.pop(worker_id)
         ray.get(self.router.remove_worker.remote(worker_id))
         handle = self.workers.pop(worker_id)
         self.retired.append(worker_id)

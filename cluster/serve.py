@@ -23,11 +23,11 @@ import time
 import yaml
 
 from cluster.cli import UsageError
-from cluster.config import ClusterConfig, redis_url_with_password
+from cluster.config import PER_WORKER, ClusterConfig, redis_url_with_password
 from cluster.ray_auth import check_ray_exposure
 from router.auth import Authenticator, AuthSetupError
-from router.grpc_server import GrpcServer
-from router.http_api import ApiServer, TLSSetupError
+from router.grpc.server import GrpcServer
+from router.http.server import ApiServer, TLSSetupError
 from router.metrics import FrontDoorMetrics
 
 DRAIN_S = 30.0  # how long a stop waits for requests in flight
@@ -40,6 +40,8 @@ class _Stop(BaseException):
 
 def config_yaml(cfg: ClusterConfig) -> str:
     data = cfg.model_dump(mode="json")
+    for name in PER_WORKER:  # filled in per worker (cluster.config.worker_config)
+        data["engine"].pop(name, None)
     if data.get("redis_url"):
         data["redis_url"] = re.sub(r"//[^@/]*@", "//***@", data["redis_url"])
     return yaml.safe_dump(data, sort_keys=False)
@@ -214,7 +216,7 @@ class _Services:
 
     def start(self, cfg: ClusterConfig, signals: _Signals, redis_url: str | None) -> None:
         from cluster.redis_server import EmbeddedRedis, RedisServerError
-        from cluster.registry import RegistryError, connect
+        from router.index.registry import RegistryError, connect
 
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         from cluster.backend import ClusterBackend  # imports ray

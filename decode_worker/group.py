@@ -29,6 +29,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine import EngineConfig, LLMEngine
+from engine.messages import WorkerHealth
 from engine.parallel import ParallelConfig
 from kv_transfer import KVLayout, KVTransferError, ReceiverChannel, TransferConfig, TransferServer
 from kv_transfer.config import NODE_HOST
@@ -92,10 +93,9 @@ class RankActor:
         except Exception:
             pass  # kept in runner.error; health() reports it
 
-    def health(self) -> dict:
+    def health(self) -> WorkerHealth:
         err = self.runner.error
-        return {"worker_id": self.worker_id, "alive": self.thread.is_alive() and err is None,
-                "error": repr(err) if err else None}
+        return WorkerHealth(self.worker_id, "rank", self.thread.is_alive() and err is None, repr(err) if err else None)
 
 
 @ray.remote(num_cpus=0)

@@ -4,24 +4,34 @@ Per request: reserve() allocates blocks before anything is sent (or refuses, so 
 picks another worker); pull() asks the prefill worker to send (through a callable the
 caller supplies, so this class knows no Ray) and receives the KV straight into a buffer,
 checked by layout and checksum; start() admits the request from its first token and
-streams its outputs to a sink. generate_local() runs a whole request here (colocated mode,
-and the recompute fallback when a transfer fails).
+streams its outputs to a sink. generate_local() runs a whole request here (colocated mode).
+
+stream() does all of that for one request on an asyncio loop and yields its chunks from the
+second token on (the router sent the first from the prefill result); when the transfer
+fails it recomputes here instead, as a continuation after the first token (same tokens:
+same model, sampling keyed by seed and position). The Ray actor only delegates to it.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future
 
 import torch
 
-from engine import EngineConfig, LLMEngine, RequestOutput, Role, SamplingParams
+from decode_worker.streams import OutputStream
+from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from engine.block_pool import NoFreeBlocks
-from engine.engine_loop import EngineLoop, Sink
+from engine.engine_loop import Sink
+from engine.messages import Chunk, GenerateRequest, PrefillResult, Timing
 from engine.parallel.runner import LocalKVFailed, ParallelModelRunner
 from engine.sampling import TokenLogprobs
+from engine.worker_base import EngineWorker, PublisherFactory
 from kv_transfer import (
     ChecksumMismatch,
     HeadShard,
@@ -34,22 +44,15 @@ from kv_transfer import (
 )
 from kv_transfer.leases import LeaseSweeper
 from kv_transfer.reshard import shard_of
-from prefill_worker.worker import worker_health
-from router.config import IndexLink
-from router.index_publisher import with_events, worker_publisher
-from router.types import GenerateRequest
 
 log = logging.getLogger(__name__)
 
 
-class DecodeWorker:
+class DecodeWorker(EngineWorker):
     def __init__(self, worker_id: str, engine_cfg: EngineConfig, transfer_cfg: TransferConfig,
-                 role: Role = Role.DECODE, index: IndexLink | None = None):
-        self.worker_id = worker_id
-        mixed = role == Role.MIXED  # a mixed worker's cache is routed to; a decode worker's is not
-        self.engine = LLMEngine(with_events(engine_cfg, index is not None and mixed).model_copy(update={"role": role}))
-        self.loop = EngineLoop(self.engine, name=f"{worker_id}-engine").start()
-        self.publisher = worker_publisher(index, worker_id, role.value, self.loop, mixed) if index else None
+                 publisher: PublisherFactory | None = None):
+        """`engine_cfg.role` is DECODE, or MIXED for a colocated worker (whole requests only)."""
+        super().__init__(worker_id, engine_cfg, publisher)
         self.layout = KVLayout.of_model(self.engine.model_id, self.engine.runner.kv_cache,
                                         self.engine.model_config.num_kv_heads)
         # A tensor-parallel worker takes only rank 0's heads here; its other ranks receive their
@@ -65,6 +68,7 @@ class DecodeWorker:
         self.reserved_tokens: dict[str, int] = {}  # what a pulled header must say, before any allocation
         self.pulling: set[str] = set()  # requests whose KV is being written into their blocks
         self.pull_done = threading.Condition()
+        self.streams: dict[str, OutputStream] = {}  # requests streaming from here, for cancel()
         self.sweeper = LeaseSweeper(self.free_stale_reservations,
                                     LeaseSweeper.interval_for(transfer_cfg.hold_timeout_s), f"{worker_id}-leases")
 
@@ -210,21 +214,94 @@ class DecodeWorker:
         self.reserved_tokens.pop(request_id, None)
         return self.loop.abort(request_id).result()
 
-    def health(self) -> dict:
-        return worker_health(self.worker_id, self.loop, self.publisher, self.channels)
+    def broken_pairs(self) -> list[str]:
+        return sorted(peer for peer, ch in list(self.channels.items()) if ch.broken)
 
     def stats(self) -> dict:
-        return self.loop.call(lambda e: e.stats()).result() | {"channels": sorted(self.channels)}
+        return super().stats() | {"channels": sorted(self.channels)}
 
     def close(self) -> None:
         self.sweeper.stop()
-        if self.publisher is not None:
-            self.publisher.stop()
         for prefill_id in list(self.channels):
             self.drop_channel(prefill_id)
         self.server.close()
-        self.loop.stop()
-        self.engine.close()  # after the loop: finishes pending HiCache disk writes
+        self.close_engine()
+
+    # -- one request, on the caller's asyncio loop ----------------------------------------
+    async def stream(self, req: GenerateRequest, first: PrefillResult, prefill_id: str,
+                     request_push: Callable[[], Awaitable[bool]]) -> AsyncIterator[Chunk]:
+        """Pull the KV from `prefill_id` (`request_push()` asks it to send), admit the request
+        and yield its chunks after the first token; the first yielded carries the transfer's
+        Timing. A failed transfer recomputes the request here instead."""
+        timing = Timing()
+        async with self._stream(req.request_id) as stream:
+            loop = asyncio.get_running_loop()
+            ask = lambda: asyncio.run_coroutine_threadsafe(_awaited(request_push()), loop).result()  # noqa: E731
+            try:
+                nbytes, secs = await asyncio.to_thread(self.pull, req.request_id, prefill_id, ask)
+                timing.transfer_s, timing.transfer_bytes = secs, nbytes
+                await asyncio.wrap_future(self.start(
+                    req.request_id, req.prompt_token_ids, first.first_token_id, req.params,
+                    first.usage.cached_tokens, first.first_logprobs, stream.sink, req.cache_salt))
+            except Exception as exc:
+                if not (stream.aborted or isinstance(exc, KVTransferError)):
+                    raise
+                # After cancel() (which frees the reservation and ends the stream) a pull or admit
+                # may fail on the missing blocks: nothing to recompute then.
+                if not stream.aborted:
+                    log.warning("KV transfer for %s failed (%s); recomputing on %s", req.request_id, exc,
+                                self.worker_id)
+                    timing.recomputed = True
+                    await asyncio.to_thread(self.abort, req.request_id)  # frees the reservation
+                    await asyncio.wrap_future(self.generate_local(_after_first(req, first), stream.sink))
+            first_chunk = True
+            async for chunk in stream.chunks():
+                if first_chunk:
+                    chunk.timing, first_chunk = timing, False
+                if timing.recomputed and chunk.usage is not None:  # as if the original request ran here
+                    chunk.usage = dataclasses.replace(
+                        chunk.usage, prompt_tokens=len(req.prompt_token_ids),
+                        completion_tokens=chunk.usage.completion_tokens + 1,
+                        cached_tokens=min(chunk.usage.cached_tokens, len(req.prompt_token_ids)))
+                yield chunk
+
+    async def stream_local(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
+        """A whole request on this worker (colocated mode)."""
+        async with self._stream(req.request_id) as stream:
+            await asyncio.wrap_future(self.generate_local(req, stream.sink))
+            async for chunk in stream.chunks():
+                yield chunk
+
+    @contextlib.asynccontextmanager
+    async def _stream(self, request_id: str) -> AsyncIterator[OutputStream]:
+        """A request's output stream, known to cancel() while it lasts; a request that leaves
+        before its stream finished (cancelled, failed) is aborted here, freeing its KV."""
+        stream = self.streams[request_id] = OutputStream()
+        try:
+            yield stream
+        finally:
+            self.streams.pop(request_id, None)
+            if not stream.finished:
+                await asyncio.to_thread(self.abort, request_id)
+
+    async def cancel(self, request_id: str) -> None:
+        """Free the request's blocks; a stream it has here ends with finish_reason "abort"."""
+        stream = self.streams.get(request_id)
+        if stream is not None:
+            stream.aborted = True  # first: stream() must not recompute what is being aborted
+        out = await asyncio.to_thread(self.abort, request_id)
+        if stream is not None:
+            stream.end_aborted(request_id, out)
+
+
+def _after_first(req: GenerateRequest, first: PrefillResult) -> GenerateRequest:
+    """What is left of `req` once its first token (and text) reached the client: recomputed
+    here under the same id, so the client's stream goes on from its second token."""
+    return req.continuation([first.first_token_id], len(first.text), req.request_id)
+
+
+async def _awaited(awaitable: Awaitable):
+    return await awaitable
 
 
 def rank_shard(engine: LLMEngine) -> HeadShard | None:

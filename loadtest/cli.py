@@ -73,6 +73,11 @@ LOAD_FLAGS = {"request_rates": "--request-rate", "arrival": "--arrival", "bursti
 OTHER_FLAGS = {"slo": "--slo", "output_dir": "--output-dir", "label": "--label"}
 
 
+
+class UsageError(ValueError):
+    """A bad `bench` flag (a ValueError: `brigade` reports it as one line, exit code 2)."""
+
+
 def _rates(value: str) -> list[float]:
     try:
         return [math.inf if v.strip() == "inf" else float(v) for v in value.split(",")]
@@ -176,7 +181,6 @@ def bench_config(args: argparse.Namespace):
         return None
     from pydantic import ValidationError
 
-    from cluster.cli import UsageError
     from loadtest.config import BenchConfig
     from loadtest.workloads import CONFIGS
 

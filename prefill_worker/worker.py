@@ -1,8 +1,9 @@
 """A prefill worker: an engine in prefill role whose requests end at their first token.
 
 Each request's KV is copied out of the pool when its first token exists and held until the
-chosen decode worker pulls it (`push`), which sends it over that decode worker's channel. Plain class: the
-Ray actor in actor.py only adapts its futures to asyncio.
+chosen decode worker pulls it (`push`), which sends it over that decode worker's channel. Plain
+class over engine.worker_base.EngineWorker (engine, loop, publisher, health): the Ray actor in
+actor.py only adapts its futures to asyncio.
 """
 from __future__ import annotations
 
@@ -10,27 +11,21 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from engine import EngineConfig, KVExport, LLMEngine, RequestOutput, Role
-from engine.engine_loop import EngineLoop
+from engine import EngineConfig, KVExport, RequestOutput, Role
+from engine.messages import Aborted, GenerateRequest, PrefillResult
+from engine.worker_base import EngineWorker, PublisherFactory
 from kv_transfer import KVLayout, KVTransferError, SenderChannel, TransferConfig, connect
 from kv_transfer.leases import LeaseSweeper
 from kv_transfer.reshard import ShardedSender, connect_group
-from router.config import IndexLink
-from router.index_publisher import with_events, worker_publisher
-from router.types import Aborted, GenerateRequest, PrefillResult
 
 log = logging.getLogger(__name__)
 
 
-class PrefillWorker:
+class PrefillWorker(EngineWorker):
     def __init__(self, worker_id: str, engine_cfg: EngineConfig, transfer_cfg: TransferConfig,
-                 index: IndexLink | None = None):
-        self.worker_id = worker_id
-        engine_cfg = with_events(engine_cfg, index is not None)
-        self.engine = LLMEngine(engine_cfg.model_copy(update={"role": Role.PREFILL}))
-        self.loop = EngineLoop(self.engine, name=f"{worker_id}-engine").start()
-        # Its lease and cache events in Redis, when the cluster has an index (else none).
-        self.publisher = worker_publisher(index, worker_id, "prefill", self.loop, True) if index else None
+                 publisher: PublisherFactory | None = None):
+        """`publisher`: its lease and cache events in Redis, when the cluster has an index."""
+        super().__init__(worker_id, engine_cfg.model_copy(update={"role": Role.PREFILL}), publisher)
         self.layout = KVLayout.of_model(self.engine.model_id, self.engine.runner.kv_cache,
                                         self.engine.model_config.num_kv_heads)
         self.transfer_cfg = transfer_cfg
@@ -141,29 +136,14 @@ class PrefillWorker:
         """Test hook: flip one byte of the next payload sent to `decode_id`."""
         self.channels[decode_id].corrupt_next_payload = True
 
-    def health(self) -> dict:
-        return worker_health(self.worker_id, self.loop, self.publisher, self.channels)
+    def broken_pairs(self) -> list[str]:
+        return sorted(peer for peer, ch in list(self.channels.items()) if ch.broken)
 
     def stats(self) -> dict:
-        return self.loop.call(lambda e: e.stats()).result() | {
-            "channels": sorted(self.channels), "pinned_exports": len(self.exports)}
+        return super().stats() | {"channels": sorted(self.channels), "pinned_exports": len(self.exports)}
 
     def close(self) -> None:
         self.sweeper.stop()
-        if self.publisher is not None:
-            self.publisher.stop()  # ends the lease first: no new requests are routed here
         for decode_id in list(self.channels):
             self.disconnect(decode_id)
-        self.loop.stop()
-        self.engine.close()  # after the loop: finishes pending HiCache disk writes
-
-
-def worker_health(worker_id: str, loop: EngineLoop, publisher, channels: dict | None = None) -> dict:
-    """What the router's health check reads: liveness, what it hashes with, its load, and the
-    peers whose KV link failed (the router rebuilds those pairs).
-    (Unlocked reads of two counters from the engine thread: a hint, like the index.)"""
-    e = loop.engine
-    return {"worker_id": worker_id, **loop.health(), "model_id": e.model_id, "block_size": e.block_size,
-            "free_blocks": e.pool.num_free, "running": len(e.scheduler.running),
-            "broken_pairs": sorted(peer for peer, ch in list((channels or {}).items()) if ch.broken),
-            "index": publisher.status() if publisher is not None else None, **e.runner.health()}
+        self.close_engine()

@@ -1,16 +1,15 @@
-"""Ray actor shim over Router."""
+"""Ray actor shim over Router: its workers arrive as actor handles and become RayWorkers."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
 import ray
-from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
 
-from engine.engine_loop import EngineDied
+from engine.messages import Chunk, GenerateRequest
 from router.config import IndexLink, RouterConfig
-from router.index_view import IndexView
+from router.index.view import IndexView
 from router.router import Router
-from router.types import Chunk, GenerateRequest
+from router.workers import RayWorker
 
 
 @ray.remote
@@ -18,10 +17,10 @@ class RouterActor:
     def __init__(self, cfg: RouterConfig, colocated: bool, index: IndexLink | None = None):
         view = (IndexView(index.redis_url, index.index, cfg.index_timeout_s, cfg.recent_route_ttl_s)
                 if index is not None else None)
-        self.router = Router(cfg, colocated, view, worker_died=_worker_died)
+        self.router = Router(cfg, colocated, view)
 
     async def add_worker(self, role: str, worker_id: str, handle) -> None:
-        await self.router.add_worker(role, worker_id, handle)
+        await self.router.add_worker(RayWorker(worker_id, role, handle))
 
     async def remove_worker(self, worker_id: str) -> bool:
         return await self.router.remove_worker(worker_id)
@@ -43,17 +42,9 @@ class RouterActor:
     async def stats(self) -> dict:
         """Every live worker's engine counters (blocks free, running, ...), by worker id."""
         out = {}
-        for w in self.router.workers.values():
+        for w in self.router.pool.workers.values():
             try:
-                out[w.worker_id] = await w.handle.stats.remote()
+                out[w.worker_id] = await w.client.stats()
             except Exception as exc:
                 out[w.worker_id] = {"error": repr(exc)}
         return out
-
-
-def _worker_died(exc: BaseException) -> bool:
-    """A worker call failed because the worker is gone (killed, crashed, its node lost, its
-    engine dead), not because of the request: the router migrates the request to another worker."""
-    while isinstance(exc, RayTaskError) and exc.cause is not None and exc.cause is not exc:
-        exc = exc.cause  # a worker's own exception, as Ray hands it on
-    return isinstance(exc, (RayActorError, ObjectLostError, EngineDied))

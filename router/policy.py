@@ -15,15 +15,22 @@ a worker whose queued(w) exceeds the least queued worker's by more than balance_
 is not a candidate, so one hot prefix cannot pile everything on one worker. Ties (a new
 conversation on idle workers) go to fewer requests in flight, then to the worker that was
 routed the fewest requests (spreading new conversations, and so the cache), then the id.
+A decode worker is picked by the batch it runs and the room it has left (kv_aware), or by
+the baseline. The rules are pure functions; `Picker` applies them to the live pool.
 """
 from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
+from engine.messages import GenerateRequest
 from router.config import RouterConfig
-from router.prefix_index import PrefixHit
+from router.index.query import PrefixHit
+
+if TYPE_CHECKING:
+    from router.index.view import IndexView
+    from router.pool import WorkerPool, WorkerRef
 
 
 class Candidate(Protocol):
@@ -75,3 +82,49 @@ class RoundRobin:
 
 def pick_random(pool: Sequence[Candidate], rng: random.Random) -> Candidate:
     return rng.choice(sorted(pool, key=lambda w: w.worker_id))
+
+
+class Picker:
+    """The routing policy over the live pool: which prefill (or mixed) worker computes a
+    prompt, which decode worker continues it. `cfg` may be swapped at run time (set_policy)."""
+
+    def __init__(self, cfg: RouterConfig, pool: WorkerPool, index: IndexView | None = None):
+        self.cfg, self.pool, self.index = cfg, pool, index
+        self._round_robin = RoundRobin()
+        self._rng = random.Random()
+        # kv_aware decisions: by the index, and how many went elsewhere than the longest hit (load won)
+        self.kv_picks = {"by_index": 0, "load_over_hit": 0}
+
+    async def prefill(self, role: str, req: GenerateRequest, exclude: set[str] = frozenset()) -> tuple[WorkerRef, int]:
+        """The worker that computes the prompt, and the uncached tokens it is charged with."""
+        needs_peer = role == "prefill" and req.params.max_tokens > 1
+        pool, n = self.pool.candidates(role, exclude, needs_peer=needs_peer), len(req.prompt_token_ids)
+        answer = None
+        if self.cfg.policy == "kv_aware" and self.index is not None:
+            answer = await self.index.hits(req.prompt_token_ids, req.cache_salt, [w.worker_id for w in pool])
+            pool = self.pool.candidates(role, exclude, needs_peer=needs_peer)  # health may have changed meanwhile
+        if answer is None:
+            w = self._by_load(role, pool)
+            w.routed += 1
+            return w, n
+        hashes, hits = answer
+        w = pick_kv_aware(pool, hits, n, self.index.block_size, self.cfg)
+        self.kv_picks["by_index"] += 1
+        best = max((hits.get(v.worker_id, PrefixHit()).blocks for v in pool), default=0)
+        self.kv_picks["load_over_hit"] += hits.get(w.worker_id, PrefixHit()).blocks < best
+        self.index.recent.note(hashes, w.worker_id)
+        w.routed += 1
+        return w, n - cached_tokens(hits.get(w.worker_id, PrefixHit()), n, self.index.block_size)
+
+    def decode(self, exclude: set[str], peer_of: WorkerRef) -> WorkerRef:
+        pool = self.pool.candidates("decode", exclude, peer_of)
+        if self.cfg.policy == "kv_aware":  # the batch it runs and the room it has left
+            return min(pool, key=lambda w: (w.inflight + w.running, -w.free_blocks, w.worker_id))
+        return self._by_load("decode", pool)
+
+    def _by_load(self, role: str, pool: list[WorkerRef]) -> WorkerRef:
+        if self.cfg.policy == "round_robin":
+            return self._round_robin.pick(role, pool)
+        if self.cfg.policy == "random":
+            return pick_random(pool, self._rng)
+        return pick_least_loaded(pool)

@@ -1,4 +1,5 @@
-"""Builders shared by the engine tests: tiny HF checkpoints, engines, prompts, run loops.
+"""Builders shared by the engine tests: tiny HF checkpoints, engines, prompts, run loops, and
+model-free schedulers and sequences (make_scheduler, make_seqs, step).
 
 Model sizes stay tiny (hidden 64, 2 layers, vocab 512) so the suite runs on two CPU cores.
 """
@@ -12,6 +13,10 @@ from typing import Any
 import torch
 
 from engine import CacheConfig, EngineConfig, LLMEngine, RequestOutput, Role, SamplingParams, SchedulerConfig
+from engine.block_pool import BlockPool
+from engine.radix_cache import RadixCache
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
 
 VOCAB = 512
 # Larger than transformers' default 0.02: with hidden 64 this gives logits of std ~1.5, so
@@ -106,3 +111,34 @@ def tiny_model_id() -> str:
     from engine.engine_setup import engine_model_id
 
     return engine_model_id(EngineConfig(model="tiny"))
+
+
+# -- model-free scheduler builders -------------------------------------------------------------
+
+def make_scheduler(num_blocks: int = 16, block_size: int = 4, budget: int = 16, max_num_seqs: int = 8,
+                   chunked: bool = True, prefix_cache: bool = True) -> Scheduler:
+    """A Scheduler over a fresh BlockPool (and RadixCache): no model, exact block ids (the pool
+    hands out free blocks in id order and takes released ones back at the end)."""
+    pool = BlockPool(num_blocks)
+    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, enable_chunked_prefill=chunked)
+    return Scheduler(cfg, pool, RadixCache(pool) if prefix_cache else None, block_size, model_id="m")
+
+
+def make_seqs(*lengths: int, prefix: list[int] = (), max_tokens: int = 8, start: int = 0) -> list[Sequence]:
+    """Sequences `s<start>`, `s<start+1>`, ... whose prompts are `prefix` + `length` tokens of
+    their own (distinct across sequences, so only `prefix` is ever shared)."""
+    return [Sequence(f"s{start + i}", [*prefix, *range(1000 * (start + i + 1), 1000 * (start + i + 1) + n)],
+                     SamplingParams(max_tokens=max_tokens), arrival=start + i) for i, n in enumerate(lengths)]
+
+
+def step(sched: Scheduler, sampled: dict[str, int] | None = None) -> list[tuple[str, int, list[int]]]:
+    """One scheduling step without a model: (request id, tokens computed, block table) per
+    scheduled sequence; every sequence that reaches its end gets a token appended (7, or
+    `sampled[id]`), as the engine would after sampling."""
+    batch = sched.schedule()
+    out = [(s.seq.request_id, s.num_new_tokens, list(s.seq.block_table)) for s in batch]
+    sched.after_step(batch)
+    for s in batch:
+        if s.seq.num_computed == s.seq.num_tokens:
+            s.seq.token_ids.append((sampled or {}).get(s.seq.request_id, 7))
+    return out

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import queue
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,9 +25,9 @@ from cluster.config import ClusterConfig
 from cluster.launch import launch, start_ray
 from decode_worker import DecodeWorker
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+from engine.messages import Aborted, Chunk, GenerateRequest, Timing
 from kv_transfer import LayoutMismatch, RefuseReason, TransferConfig
 from prefill_worker import PrefillWorker
-from router.types import Aborted, Chunk, GenerateRequest
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -94,27 +93,23 @@ def plain_workers():
 
 
 def disaggregate(prefill: PrefillWorker, decode: DecodeWorker, rid: str, prompt: list[int],
-                 params: SamplingParams) -> tuple[list[int], int]:
-    """One request through prefill, reserve, pull and start, as the router and decode actor
-    drive it. Returns (tokens, payload bytes)."""
-    first = prefill.prefill(GenerateRequest(rid, prompt, params)).result(timeout=30)
+                 params: SamplingParams) -> tuple[list[int], Timing]:
+    """One request through the plain workers as the router drives them: prefill, reserve, then
+    the decode worker's own stream (pull, admit, or recompute when the transfer fails).
+    Returns (tokens, the transfer's timing)."""
+    req = GenerateRequest(rid, prompt, params)
+    first = prefill.prefill(req).result(timeout=30)
     assert decode.reserve(rid, len(prompt))
-    nbytes, _ = decode.pull(rid, prefill.worker_id, lambda: prefill.push(rid, decode.worker_id))
-    outs: queue.Queue = queue.Queue()
-    decode.start(rid, prompt, first.first_token_id, params, first.usage.cached_tokens, first.first_logprobs,
-                 outs.put).result(timeout=30)
-    return [first.first_token_id, *sink_tokens(outs)], nbytes
 
+    async def push() -> bool:
+        return prefill.push(rid, decode.worker_id)
 
-def sink_tokens(outs: queue.Queue) -> list[int]:
-    """The token ids a worker's sink put on `outs`, up to its finished output (none may be an error)."""
-    tokens: list[int] = []
-    while True:
-        out = outs.get(timeout=30)
-        assert not isinstance(out, BaseException), out
-        tokens += out.new_token_ids
-        if out.finished:
-            return tokens
+    async def stream() -> list[Chunk]:
+        return [c async for c in decode.stream(req, first, prefill.worker_id, push)]
+
+    chunks = asyncio.run(asyncio.wait_for(stream(), 60))
+    assert chunks[-1].finished and chunks[0].timing is not None
+    return [first.first_token_id, *(t for c in chunks for t in c.token_ids)], chunks[0].timing
 
 
 @pytest.mark.timeout(120)
@@ -122,9 +117,9 @@ def test_plain_workers_pull_and_start_give_the_mixed_engines_tokens(plain_worker
     prefill, decode, _ = plain_workers
     expected, block_bytes = reference
     for i in (0, 2, 3, 5, 7, 11):  # prompts of 1, 15, 41 (shared prefix), 31, 64 and 203 (shared) tokens
-        tokens, nbytes = disaggregate(prefill, decode, f"plain-{i}", PROMPTS[i], PARAMS[i])
+        tokens, timing = disaggregate(prefill, decode, f"plain-{i}", PROMPTS[i], PARAMS[i])
         assert tokens == expected[i], f"request {i}"
-        assert nbytes == -(-len(PROMPTS[i]) // BS) * block_bytes
+        assert timing.transfer_bytes == -(-len(PROMPTS[i]) // BS) * block_bytes and not timing.recomputed
     assert pool_whole(prefill.stats()) and pool_whole(decode.stats())
     assert prefill.channels["decode-p"].stats.payloads == decode.channels["prefill-p"].stats.payloads == 6
 
@@ -191,7 +186,7 @@ def ray_local():
 
 def cluster_config(**overrides) -> ClusterConfig:
     # num_cpus=2: each worker runs one torch thread; the two cores are shared with everything.
-    return ClusterConfig(**{"num_cpus": 2, "engine": {"num_blocks": NUM_BLOCKS}, **overrides})
+    return ClusterConfig(**{"num_cpus": 2, "engine": {"cache": {"num_blocks": NUM_BLOCKS}}, **overrides})
 
 
 async def collect(router, rid: str, prompt: list[int], params: SamplingParams) -> tuple[list[int], Chunk]:

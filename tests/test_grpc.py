@@ -26,7 +26,7 @@ from cluster.backend import ClusterBackend
 from cluster.config import ClusterConfig
 from cluster.launch import launch, start_ray
 from router.config import FrontDoorConfig
-from router.grpc_server import GrpcServer
+from router.grpc.server import GrpcServer
 from router.metrics import FrontDoorMetrics
 
 pytestmark = [pytest.mark.usefixtures("torch_single_thread"), pytest.mark.timeout(300)]
@@ -42,16 +42,16 @@ class CountingBackend(ClusterBackend):
 
     routed = 0
 
-    def agenerate(self, req):
+    def generate(self, req):
         self.routed += 1
-        return super().agenerate(req)
+        return super().generate(req)
 
 
 @pytest.fixture(scope="module")
 def cluster():
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    cfg = ClusterConfig(num_cpus=2, engine={"num_blocks": NUM_BLOCKS})
+    cfg = ClusterConfig(num_cpus=2, engine={"cache": {"num_blocks": NUM_BLOCKS}})
     start_ray(ClusterConfig(num_cpus=2))
     cl = launch(cfg)
     backend = CountingBackend(cfg)

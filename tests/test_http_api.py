@@ -7,6 +7,7 @@ stand-in validates with the engine's own check_request, so the table's errors ar
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import ssl
@@ -24,13 +25,14 @@ import pytest
 from invalid_cases import HTTP_CASES, Limits
 
 from engine.llm_engine import check_request
+from engine.messages import Chunk
 from engine.outputs import Usage
 from engine.sampling import InvalidRequest, TokenLogprobs
 from router.auth import Authenticator
 from router.config import FrontDoorConfig
-from router.http_api import ApiServer
+from router.errors import NoWorker, Overloaded
+from router.http.server import ApiServer
 from router.metrics import FrontDoorMetrics
-from router.types import Chunk, NoWorker, Overloaded
 
 LIMITS = Limits(max_model_len=64, vocab_size=100)
 ACME, ZETA = "acme-token-0123456789", "zeta-token-0123456789"
@@ -64,8 +66,9 @@ class FakeBackend:
         check_request(token_ids, params, vocab_size=LIMITS.vocab_size, max_model_len=LIMITS.max_model_len,
                       block_size=16, num_blocks=64)
 
-    def generate(self, request_id, token_ids, params, *, cache_salt=None):
-        self.calls.append({"id": request_id, "ids": token_ids, "params": params, "cache_salt": cache_salt})
+    async def generate(self, req):
+        request_id, token_ids, params = req.request_id, req.prompt_token_ids, req.params
+        self.calls.append({"id": request_id, "ids": token_ids, "params": params, "cache_salt": req.cache_salt})
         if self.fail is not None:
             raise self.fail
 
@@ -78,14 +81,14 @@ class FakeBackend:
             if self.endless:
                 while True:
                     yield Chunk(request_id, [1], "b", logprobs=lp(1))
-                    time.sleep(0.01)
+                    await asyncio.sleep(0.01)
             yield Chunk(request_id, [0, 1], "ab", logprobs=(lp(0) or []) + (lp(1) or []) or None)
             yield Chunk(request_id, [2], "c", True, "length", Usage(len(token_ids), 3, 2, {"device": 2}),
                         logprobs=lp(2))
         finally:
             self.closed.append(request_id)
 
-    def health(self):
+    async def health(self):
         return True, {"waiting": 3, "running": 2}
 
 
@@ -443,7 +446,7 @@ def test_tls(tmp_path: Path) -> None:
 
 
 def test_unreadable_certificate_fails_at_construction(tmp_path: Path) -> None:
-    from router.http_api import TLSSetupError
+    from router.http.server import TLSSetupError
 
     (tmp_path / "junk.pem").write_text("junk")
     with pytest.raises(TLSSetupError, match="frontdoor.tls: cannot load cert_file"):

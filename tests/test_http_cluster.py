@@ -24,7 +24,7 @@ from cluster.backend import ClusterBackend
 from cluster.config import ClusterConfig
 from cluster.launch import Cluster, launch
 from router.auth import Authenticator
-from router.http_api import ApiServer
+from router.http.server import ApiServer
 from router.metrics import FrontDoorMetrics
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -56,7 +56,7 @@ class Served:
 def served() -> Iterator[Served]:
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    cfg = ClusterConfig(num_cpus=2, engine={"num_blocks": NUM_BLOCKS})
+    cfg = ClusterConfig(num_cpus=2, engine={"cache": {"num_blocks": NUM_BLOCKS}})
     backend = CountingBackend(cfg)
     server = ApiServer("127.0.0.1", 0, metrics=FrontDoorMetrics(), auth=Authenticator({TOKEN: "acme", OTHER: "zeta"}))
     cluster = launch(cfg)

@@ -41,8 +41,8 @@ from cluster.redis_server import EmbeddedRedis
 from cluster.serve import DRAIN_S
 from kv_transfer import TransferConfig
 from router.config import AuthConfig, FrontDoorConfig
-from router.grpc_server import GrpcServer
-from router.http_api import ApiServer
+from router.grpc.server import GrpcServer
+from router.http.server import ApiServer
 from router.metrics import FrontDoorMetrics
 from tests.shared_data import shared_data
 
@@ -233,11 +233,8 @@ class StandIn:
     def __init__(self) -> None:
         self.ok = True
 
-    def health(self):
+    async def health(self):
         return self.ok, {"waiting": 0, "running": 0}
-
-    async def ahealth(self):
-        return self.health()
 
 
 def probe_answer(probe: dict, ports: dict, cfg: ClusterConfig, http: ApiServer, grpc_door: GrpcServer) -> bool:

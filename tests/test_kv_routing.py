@@ -15,11 +15,11 @@ from helpers import tiny_model_id
 
 from cluster.config import ClusterConfig
 from cluster.launch import launch, start_ray
-from cluster.registry import connect
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+from engine.messages import Chunk, GenerateRequest
 from router.actor import RouterActor
-from router.prefix_index import PrefixIndex
-from router.types import Chunk, GenerateRequest
+from router.index.query import PrefixIndex
+from router.index.registry import connect
 
 pytestmark = [pytest.mark.usefixtures("torch_single_thread"), pytest.mark.timeout(300)]
 
@@ -49,7 +49,7 @@ def cold() -> dict[str, list[int]]:
 
 
 def config(**overrides) -> ClusterConfig:
-    return ClusterConfig(**{"num_cpus": 2, "engine": {"num_blocks": 256},
+    return ClusterConfig(**{"num_cpus": 2, "engine": {"cache": {"num_blocks": 256}},
                             "index": {"lease_ttl_s": 3.0, "key_prefix": f"kv{rng.randrange(1 << 30)}"},
                             "router": {"health_interval_s": 0.3}, **overrides})
 

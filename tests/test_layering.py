@@ -1,6 +1,7 @@
-"""The engine stays a plain library: no Ray, Redis or gRPC, and no pickle (DESIGN.md).
-
-Both checks walk whatever modules exist under engine/, so they need no update as it grows.
+"""The package table of ../shared/DESIGN.md, checked by AST: which of our packages each
+package may import, the service libraries it may not, no cycle between packages, and file
+sizes (soft 300 lines, hard 500). Every module under each package is walked (imports inside
+functions count too), so the test needs no update as packages grow, and lists no exceptions.
 """
 from __future__ import annotations
 
@@ -8,17 +9,45 @@ import ast
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ENGINE = ROOT / "engine"
 
-SERVICE_PACKAGES = {"ray", "redis", "grpc"}
-# Import roots the engine may not name at all; grpc_health/grpc_reflection are
-# separate top-level modules of the gRPC add-on distributions.
-FORBIDDEN_IMPORTS = SERVICE_PACKAGES | {
-    "grpc_health", "grpc_reflection", "pickle", "_pickle", "cloudpickle", "dill",
+# Our packages: top-level directory -> the import name (the client SDK installs as brigade_client).
+PACKAGES = {"engine": "engine", "kv_transfer": "kv_transfer", "prefill_worker": "prefill_worker",
+            "decode_worker": "decode_worker", "router": "router", "sim": "sim", "cluster": "cluster",
+            "client/brigade_client": "brigade_client", "loadtest": "loadtest"}
+OURS = set(PACKAGES.values())
+# DESIGN.md's "may import" column, for our own packages. cluster/ is the composition root
+# ("everything above"): it may import every package, and no package may import it.
+MAY_IMPORT: dict[str, set[str]] = {
+    "engine": set(),
+    "kv_transfer": {"engine"},
+    "prefill_worker": {"engine", "kv_transfer"},
+    "decode_worker": {"engine", "kv_transfer"},
+    "router": {"engine", "brigade_client"},
+    "sim": {"engine", "router"},
+    "cluster": OURS - {"cluster"},
+    "brigade_client": set(),
+    "loadtest": {"brigade_client"},
 }
+# The service libraries (and pickle) a package's row does not list.
+RAY, REDIS, GRPC = {"ray"}, {"redis"}, {"grpc", "grpc_health", "grpc_reflection", "google"}
+PICKLE = {"pickle", "_pickle", "cloudpickle", "dill"}
+MAY_NOT_IMPORT: dict[str, set[str]] = {
+    "engine": RAY | REDIS | GRPC | PICKLE,
+    "kv_transfer": RAY | REDIS | GRPC | PICKLE,
+    "prefill_worker": REDIS | GRPC | PICKLE,
+    "decode_worker": REDIS | GRPC | PICKLE,
+    "router": PICKLE,
+    "sim": RAY | REDIS | GRPC | PICKLE,
+    "cluster": PICKLE,
+    "brigade_client": RAY | REDIS | PICKLE | {"torch"},
+    "loadtest": RAY | REDIS | PICKLE | {"torch"},
+}
+GENERATED = ("_pb2.py", "_pb2_grpc.py")  # protoc output: sized by the .proto, not by us
+SOFT_LINES, HARD_LINES = 300, 500
 
 # Imports every engine module in a fresh interpreter and prints the top-level names of
 # all modules then loaded. Files are found on disk rather than with pkgutil, which skips
@@ -38,24 +67,15 @@ print(json.dumps(sorted({name.partition(".")[0] for name in sys.modules})))
 """
 
 
-def _engine_files() -> list[Path]:
-    return sorted(ENGINE.rglob("*.py"))
+def modules(package_dir: str) -> Iterator[Path]:
+    for path in sorted((ROOT / package_dir).rglob("*.py")):
+        if "assets" not in path.relative_to(ROOT).parts:
+            yield path
 
 
-def test_engine_modules_import_no_service_packages() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-c", _IMPORT_ALL, str(ROOT)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    loaded = set(json.loads(proc.stdout.splitlines()[-1]))
-    assert "engine" in loaded
-    assert loaded & SERVICE_PACKAGES == set()
-
-
-def _imported_roots(tree: ast.AST) -> set[str]:
+def imported_roots(path: Path) -> set[str]:
     roots: set[str] = set()
-    for node in ast.walk(tree):
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
         if isinstance(node, ast.Import):
             roots.update(alias.name.partition(".")[0] for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -63,13 +83,81 @@ def _imported_roots(tree: ast.AST) -> set[str]:
     return roots
 
 
-def test_engine_source_names_no_forbidden_imports() -> None:
-    files = _engine_files()
-    assert files, "engine/ has no Python files"
-    offenders = {}
-    for path in files:
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        bad = _imported_roots(tree) & FORBIDDEN_IMPORTS
-        if bad:
-            offenders[str(path.relative_to(ROOT))] = sorted(bad)
+def edges() -> dict[str, dict[str, set[str]]]:
+    """package -> imported root -> the files (relative paths) that import it."""
+    out: dict[str, dict[str, set[str]]] = {}
+    for directory, name in PACKAGES.items():
+        found = out.setdefault(name, {})
+        for path in modules(directory):
+            for root in imported_roots(path) - {name}:
+                found.setdefault(root, set()).add(str(path.relative_to(ROOT)))
+    return out
+
+
+def test_the_table_names_every_package_once() -> None:
+    assert set(MAY_IMPORT) == set(MAY_NOT_IMPORT) == OURS
+    present = {name for directory, name in PACKAGES.items() if (ROOT / directory).is_dir()}
+    assert present >= OURS - {"sim"}, "a package of the table is missing"  # sim/ comes with the simulator
+
+
+def test_packages_import_only_what_the_design_table_allows() -> None:
+    found = edges()
+    offenders = {f"{pkg} -> {dep}": sorted(files) for pkg, deps in found.items() for dep, files in deps.items()
+                 if (dep in OURS and dep not in MAY_IMPORT[pkg]) or dep in MAY_NOT_IMPORT[pkg]}
     assert offenders == {}
+
+
+def test_nothing_imports_the_composition_root() -> None:
+    importers = {pkg for pkg, deps in edges().items() if "cluster" in deps}
+    assert importers == set()
+
+
+def test_no_cycle_between_packages() -> None:
+    graph = {pkg: {d for d in deps if d in OURS} for pkg, deps in edges().items()}
+    state: dict[str, str] = {}
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return [*path, node, nxt]
+            if nxt not in state and (cycle := visit(nxt, [*path, node])):
+                return cycle
+        state[node] = "done"
+        return None
+
+    cycles = [c for pkg in sorted(graph) if pkg not in state and (c := visit(pkg, []))]
+    assert cycles == []
+
+
+def _line_counts(directories) -> dict[str, int]:
+    out = {}
+    for directory in directories:
+        for path in modules(directory):
+            if not path.name.endswith(GENERATED):
+                out[str(path.relative_to(ROOT))] = len(path.read_text(encoding="utf-8").splitlines())
+    return out
+
+
+def test_no_source_file_over_the_hard_limit_and_the_soft_ones_are_reported() -> None:
+    counts = _line_counts(PACKAGES)
+    assert counts, "no source files found"
+    soft = {p: n for p, n in counts.items() if SOFT_LINES < n <= HARD_LINES}
+    if soft:
+        print(f"\nover the soft limit of {SOFT_LINES} lines: {dict(sorted(soft.items(), key=lambda kv: -kv[1]))}")
+    assert {p: n for p, n in counts.items() if n > HARD_LINES} == {}
+
+
+def test_router_loop_stays_small() -> None:
+    assert _line_counts(["router"])["router/router.py"] < 200
+
+
+def test_engine_modules_load_no_service_package_at_run_time() -> None:
+    """The AST check above sees only direct imports; this one imports every engine module in a
+    fresh interpreter and looks at everything that got loaded, transitively."""
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_ALL, str(ROOT)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    loaded = set(json.loads(proc.stdout.splitlines()[-1]))
+    assert "engine" in loaded
+    assert loaded & (RAY | REDIS | {"grpc"}) == set()

@@ -1,4 +1,4 @@
-"""Request migration in the router, with fake workers (our own handle interface, no Ray):
+"""Request migration in the router, with fake workers (plain async WorkerClients, no Ray):
 a worker that dies mid-stream hands the request to another from the tokens already sent, up
 to RouterConfig.max_migrations times; beyond, the client gets StreamBroken with the count."""
 from __future__ import annotations
@@ -9,20 +9,18 @@ import copy
 import grpc
 import pytest
 from brigade_client.errors import TOKENS_SENT_KEY, Unavailable, from_rpc_error
+from worker_fakes import FakeWorker, router_over
 
+from engine.messages import Chunk, GenerateRequest
 from engine.outputs import Usage
 from engine.sampler import _mix
 from engine.sampling import SamplingParams
 from router.config import RouterConfig
-from router.grpc_service import refusal
-from router.http_api import api_error
+from router.errors import NoWorker, StreamBroken, WorkerLost
+from router.grpc.service import refusal
+from router.http.server import api_error
 from router.migration import continuation, shifted_seed
-from router.router import Router, WorkerRef
-from router.types import Chunk, GenerateRequest, NoWorker, StreamBroken
-
-
-class Died(Exception):
-    """What the fake transport raises when a worker is gone."""
+from router.router import Router
 
 
 def next_token(context: list[int]) -> int:
@@ -38,50 +36,34 @@ def expected(prompt: list[int], n: int) -> list[int]:
     return out
 
 
-class _Method:
-    def __init__(self, fn):
-        self.remote = fn
+class FakeMixed(FakeWorker):
+    """A mixed worker streaming one token a chunk; with `die_after`, the stream fails (as a dead
+    worker's client reports it: WorkerLost) after that many tokens."""
 
-
-class FakeMixed:
-    """A mixed worker's handle: generate_local streams one token a chunk; with `die_after`, the
-    stream fails (as a dead actor's does) after that many tokens."""
-
-    def __init__(self, die_after: int | None = None):
+    def __init__(self, worker_id: str, die_after: int | None = None):
+        super().__init__(worker_id)
         self.die_after = die_after
-        self.requests: list[GenerateRequest] = []
-        self.generate_local = _Method(self._generate)
-        self.abort = _Method(self._abort)
 
-    def _generate(self, req: GenerateRequest):
+    async def generate(self, req: GenerateRequest, first=None, prefill=None):
         self.requests.append(req)
-        return self._stream(req)
-
-    async def _stream(self, req: GenerateRequest):
         out: list[int] = []
         n = req.params.max_tokens
         for i in range(n):
             if self.die_after is not None and i == self.die_after:
-                raise Died("the actor died")
+                raise WorkerLost(self.worker_id)
             out.append(next_token(req.prompt_token_ids + out))
             last = i == n - 1
-            chunk = Chunk(req.request_id, [out[-1]], "", last, "length" if last else None,
-                          Usage(len(req.prompt_token_ids), len(out), 0) if last else None)
-            yield _ready(chunk)
-
-    async def _abort(self, request_id: str) -> None:
-        return None
+            yield Chunk(req.request_id, [out[-1]], "", last, "length" if last else None,
+                        Usage(len(req.prompt_token_ids), len(out), 0) if last else None)
 
 
-async def _ready(chunk: Chunk) -> Chunk:
-    return chunk
+def make_router(max_migrations: int, *die_after: int | None) -> Router:
+    workers = [FakeMixed(f"mixed-{i}", d) for i, d in enumerate(die_after)]
+    return router_over(RouterConfig(policy="round_robin", max_migrations=max_migrations), *workers)
 
 
-def make_router(max_migrations: int, *handles: FakeMixed) -> Router:
-    router = Router(RouterConfig(policy="round_robin", max_migrations=max_migrations), colocated=True,
-                    worker_died=lambda exc: isinstance(exc, Died))
-    router.workers = {f"mixed-{i}": WorkerRef(f"mixed-{i}", "mixed", h) for i, h in enumerate(handles)}
-    return router
+def worker(router: Router, worker_id: str) -> FakeMixed:
+    return router.pool.workers[worker_id].client
 
 
 async def drain(router: Router, req: GenerateRequest) -> tuple[list[int], list[Chunk], BaseException | None]:
@@ -99,19 +81,19 @@ PROMPT = [11, 22, 33, 44, 55]
 
 
 def test_beyond_max_migrations_the_client_gets_a_retriable_error_with_the_tokens_sent():
-    router = make_router(0, FakeMixed(die_after=3), FakeMixed())
+    router = make_router(0, 3, None)
     req = GenerateRequest("r0", PROMPT, SamplingParams(max_tokens=10, temperature=0.0))
     tokens, chunks, exc = asyncio.run(drain(router, req))
     print(f"\nmax_migrations=0: {len(tokens)} tokens sent, then {type(exc).__name__}: {exc}")
     assert isinstance(exc, StreamBroken) and isinstance(exc, NoWorker)  # both doors: UNAVAILABLE / 503
     assert exc.tokens_sent == 3 == len(tokens) and "3 tokens" in str(exc)
     assert tokens == expected(PROMPT, 3) and not any(c.finished for c in chunks)
-    assert router.running == 0 and not router._active
+    assert router.admission.running == 0 and not router.dispatch.active
 
 
 def test_a_dying_worker_hands_the_rest_to_another_and_the_client_sees_every_token_once():
-    dying, spare = FakeMixed(die_after=4), FakeMixed()
-    router = make_router(2, dying, spare)
+    router = make_router(2, 4, None)
+    spare = worker(router, "mixed-1")
     req = GenerateRequest("r1", PROMPT, SamplingParams(max_tokens=12, temperature=0.0))
     tokens, chunks, exc = asyncio.run(drain(router, req))
     assert exc is None
@@ -122,11 +104,11 @@ def test_a_dying_worker_hands_the_rest_to_another_and_the_client_sees_every_toke
     last = chunks[-1]
     assert last.finished and last.timing.migrations == 1 and last.decode_worker == "mixed-1"
     assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(PROMPT), 12)
-    assert all(w.inflight == 0 for w in router.workers.values())
+    assert all(w.inflight == 0 for w in router.pool.workers.values())
 
 
 def test_every_worker_dying_ends_retriable_once_none_is_left():
-    router = make_router(5, FakeMixed(die_after=2), FakeMixed(die_after=3))
+    router = make_router(5, 2, 3)
     req = GenerateRequest("r2", PROMPT, SamplingParams(max_tokens=20, temperature=0.0))
     tokens, _, exc = asyncio.run(drain(router, req))
     # 2 from the first, 3 more from the second (its continuation), then no worker is left to try.

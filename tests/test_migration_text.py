@@ -15,14 +15,16 @@ import dataclasses
 import random
 
 import pytest
+from worker_fakes import FakeWorker, router_over
 
+from decode_worker.streams import to_chunk
 from engine import CacheConfig, EngineConfig, LLMEngine, Role, SamplingParams
+from engine.messages import Chunk, GenerateRequest
 from engine.sampling import InvalidRequest
 from router.config import RouterConfig
+from router.errors import WorkerLost
 from router.migration import continuation
-from router.router import Router, WorkerRef
-from router.streams import to_chunk
-from router.types import Chunk, GenerateRequest
+from router.router import Router
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -52,49 +54,31 @@ def greedy(*stop: str) -> SamplingParams:
     return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, stop=stop)
 
 
-class Died(Exception):
-    """What the fake transport raises when a worker is gone."""
+class EngineWorker(FakeWorker):
+    """A mixed worker over a real engine (shared by the fakes; one request at a time): one chunk
+    per step; with `die_after`, its request is dropped and the stream fails after that many
+    tokens, as a killed worker's does."""
 
-
-class _Method:
-    def __init__(self, fn):
-        self.remote = fn
-
-
-class EngineWorker:
-    """A mixed worker's handle over a real engine (shared by the fakes; one request at a time):
-    one chunk per step; with `die_after`, its request is dropped and the stream fails after that
-    many tokens, as a killed worker's does."""
-
-    def __init__(self, engine: LLMEngine, die_after: int | None = None):
+    def __init__(self, worker_id: str, engine: LLMEngine, die_after: int | None = None):
+        super().__init__(worker_id)
         self.engine, self.die_after = engine, die_after
-        self.requests: list[GenerateRequest] = []
-        self.generate_local = _Method(self._generate)
-        self.abort = _Method(self._abort)
 
-    def _generate(self, req: GenerateRequest):
+    async def generate(self, req: GenerateRequest, first=None, prefill=None):
         self.requests.append(req)
-        return self._stream(req)
-
-    async def _stream(self, req: GenerateRequest):
         self.engine.add_request(req.request_id, req.prompt_token_ids, req.params)
         tokens = 0
         while True:
             if tokens == self.die_after:
                 self.engine.abort(req.request_id)
-                raise Died("the actor died")
+                raise WorkerLost(self.worker_id)
             for out in self.engine.step():
                 tokens += len(out.new_token_ids)
-                yield _ready(to_chunk(out))
+                yield to_chunk(out)
                 if out.finished:
                     return
 
-    async def _abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
-
-
-async def _ready(chunk: Chunk) -> Chunk:
-    return chunk
 
 
 async def drain(router: Router, req: GenerateRequest) -> list[Chunk]:
@@ -102,10 +86,8 @@ async def drain(router: Router, req: GenerateRequest) -> list[Chunk]:
 
 
 def stream_text(engine: LLMEngine, params: SamplingParams, die_after: int | None) -> list[Chunk]:
-    router = Router(RouterConfig(policy="round_robin", max_migrations=1), colocated=True,
-                    worker_died=lambda exc: isinstance(exc, Died))
-    dying, spare = EngineWorker(engine, die_after), EngineWorker(engine)
-    router.workers = {"mixed-0": WorkerRef("mixed-0", "mixed", dying), "mixed-1": WorkerRef("mixed-1", "mixed", spare)}
+    dying, spare = EngineWorker("mixed-0", engine, die_after), EngineWorker("mixed-1", engine)
+    router = router_over(RouterConfig(policy="round_robin", max_migrations=1), dying, spare)
     chunks = asyncio.run(drain(router, GenerateRequest("r", PROMPT, params)))
     assert engine.pool.num_referenced == 0 and not engine.seqs  # the dead attempt left nothing behind
     if die_after is not None:

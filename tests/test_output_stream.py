@@ -1,9 +1,9 @@
 """OutputStream turns engine outputs into Chunks when they are delivered, not when read."""
 import asyncio
 
+from decode_worker.streams import OutputStream
 from engine.outputs import RequestOutput, Usage
 from engine.sampling import TokenLogprobs
-from router.streams import OutputStream
 
 
 def test_a_chunk_keeps_its_own_logprobs_when_the_engine_runs_ahead():

@@ -27,7 +27,7 @@ def group_cluster():
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     os.environ["RAY_AUTH_MODE"] = "disabled"
     start_ray(ClusterConfig(num_cpus=4))
-    cl = launch(ClusterConfig(num_cpus=3, engine={"num_blocks": NUM_BLOCKS},
+    cl = launch(ClusterConfig(num_cpus=3, engine={"cache": {"num_blocks": NUM_BLOCKS}},
                               parallel={"prefill_tp": 2, "decode_tp": 2, "timeout_s": 10.0}))
     yield cl
     cl.shutdown()
@@ -56,7 +56,7 @@ def test_decode_tp2_group_gives_the_engines_tokens(group_cluster):
     for worker in ("decode-0", "prefill-0"):
         assert len(group_cluster.groups[worker].ranks) == 1
         health = ray.get(group_cluster.workers[worker].health.remote(), timeout=10)
-        assert health["alive"] and health["tp_size"] == 2
+        assert health.alive and health.tp_size == 2
     results = run(group_cluster, IDS, "tp2")
     assert [tokens for tokens, _ in results] == expected()
     assert all(last.decode_worker == "decode-0" and not last.timing.recomputed for _, last in results)

@@ -10,12 +10,13 @@ import pytest
 import redis
 
 from cluster.redis_server import EmbeddedRedis
-from cluster.registry import RegistryError, connect
 from engine.block_hash import chain_hashes
 from engine.cache_events import TIERS, CacheEvent
 from router.config import IndexConfig
-from router.index_publisher import IndexPublisher
-from router.prefix_index import TIER_BITS, PrefixHit, PrefixIndex
+from router.index.keys import TIER_BITS
+from router.index.publisher import IndexPublisher
+from router.index.query import PrefixHit, PrefixIndex
+from router.index.registry import RegistryError, connect
 
 pytestmark = pytest.mark.timeout(120)
 MODEL = "tiny"
@@ -230,14 +231,18 @@ def test_a_worker_started_while_redis_is_down_registers_when_it_returns(cfg: Ind
 @pytest.mark.usefixtures("torch_single_thread")
 def test_a_plain_prefill_worker_publishes_its_engine_cache_and_ends_its_lease(server: EmbeddedRedis,
                                                                               cfg: IndexConfig) -> None:
+    from functools import partial
+
     from engine import CacheConfig, EngineConfig, SamplingParams
+    from engine.messages import GenerateRequest
     from kv_transfer import TransferConfig
     from prefill_worker import PrefillWorker
     from router.config import IndexLink
-    from router.types import GenerateRequest
+    from router.index.publisher import worker_publisher
 
-    worker = PrefillWorker("pw", EngineConfig(model="tiny", num_threads=1, cache=CacheConfig(num_blocks=64)),
-                           TransferConfig(backend="gloo"), IndexLink(redis_url=server.url, index=cfg))
+    cache = CacheConfig(num_blocks=64, record_events=True)  # as cluster.config.worker_config sets it
+    worker = PrefillWorker("pw", EngineConfig(model="tiny", num_threads=1, cache=cache), TransferConfig(backend="gloo"),
+                           partial(worker_publisher, IndexLink(redis_url=server.url, index=cfg)))
     model = worker.engine.model_id  # "tiny@<checkpoint fingerprint>": what the worker hashes with
     index = PrefixIndex(connect(server.url), cfg.key_prefix, model)
     prompt = list(range(3, 3 + 70))  # 4 full blocks of 16
@@ -247,7 +252,7 @@ def test_a_plain_prefill_worker_publishes_its_engine_cache_and_ends_its_lease(se
         assert done.usage.prompt_tokens == 70
         hashes = chain_hashes(prompt, 16, model)
         assert wait_until(lambda: index.query(hashes, index.live_epochs())["pw"] == PrefixHit(4, 4, 0, 0))
-        assert worker.health()["index"]["blocks"] == 4
+        assert worker.health().index["blocks"] == 4
     finally:
         worker.close()
     assert "pw" not in index.live_epochs()  # a graceful stop ends the lease at once

@@ -12,7 +12,7 @@ import redis
 
 from cluster import redis_server
 from cluster.redis_server import EmbeddedRedis, RedisServerError
-from cluster.registry import Heartbeat, RegistryError, WorkerRegistry
+from router.index.registry import Heartbeat, RegistryError, WorkerRegistry
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -4,9 +4,9 @@ import time
 from dataclasses import dataclass
 
 from router.config import RouterConfig
-from router.index_view import RecentRoutes
+from router.index.query import PrefixHit
+from router.index.view import RecentRoutes
 from router.policy import RoundRobin, cached_tokens, pick_kv_aware, pick_least_loaded, pick_random, ttft_cost
-from router.prefix_index import PrefixHit
 
 BS = 16
 CFG = RouterConfig(balance_slack_tokens=1000, host_load_cost=0.1, disk_load_cost=0.3)
@@ -87,21 +87,22 @@ def test_a_short_shared_prefix_does_not_pull_new_conversations_onto_one_worker()
 def test_prefill_without_a_live_decode_partner_is_not_picked_for_decoding_requests():
     import asyncio
 
-    from engine.sampling import SamplingParams
-    from router.router import Router, WorkerRef
-    from router.types import GenerateRequest
+    from worker_fakes import FakeWorker, router_over
 
-    router = Router(RouterConfig(policy="least_loaded"), colocated=False)
-    lonely, paired, dead = WorkerRef("prefill-0", "prefill", None), WorkerRef("prefill-1", "prefill", None), \
-        WorkerRef("decode-0", "decode", None, healthy=False)
-    live = WorkerRef("decode-1", "decode", None, peers={"prefill-1"})
-    lonely.peers, paired.peers = {"decode-0"}, {"decode-1"}  # prefill-0's only partner is dead
-    paired.inflight = 5  # busier, yet the only one whose prefill can reach a decode worker
-    router.workers = {w.worker_id: w for w in (lonely, paired, dead, live)}
+    from engine.messages import GenerateRequest
+    from engine.sampling import SamplingParams
+
+    workers = [FakeWorker("prefill-0", "prefill"), FakeWorker("prefill-1", "prefill"),
+               FakeWorker("decode-0", "decode"), FakeWorker("decode-1", "decode")]
+    # prefill-0's only partner (decode-0) is dead
+    peers = {"prefill-0": {"decode-0"}, "prefill-1": {"decode-1"}, "decode-1": {"prefill-1"}}
+    router = router_over(RouterConfig(policy="least_loaded"), *workers, colocated=False, peers=peers)
+    router.pool.workers["decode-0"].healthy = False
+    router.pool.workers["prefill-1"].inflight = 5  # busier, yet the only one whose prefill can reach a decode worker
 
     def pick(max_tokens: int) -> str:
         req = GenerateRequest("r", [1, 2, 3], SamplingParams(max_tokens=max_tokens))
-        return asyncio.run(router._pick_prefill("prefill", req))[0].worker_id
+        return asyncio.run(router.picker.prefill("prefill", req))[0].worker_id
 
     assert pick(16) == "prefill-1"
     assert pick(1) == "prefill-0"  # a one-token answer needs no decode worker: load alone decides

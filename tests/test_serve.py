@@ -25,7 +25,7 @@ import pytest
 from serve_process import RAY_ENV, Served, brigade_serve
 
 from cluster import cli
-from cluster.config import ClusterConfig, load_config
+from cluster.config import PER_WORKER, ClusterConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVE = ["--http-port", "0", "--grpc-port", "0", "--num-blocks", "256"]
@@ -96,7 +96,7 @@ def test_prints_the_resolved_config_then_the_ready_line(server: Served) -> None:
     import yaml
 
     printed = ClusterConfig.model_validate(yaml.safe_load("".join(server.out[1:-1])))
-    assert printed == ClusterConfig(http_port=0, grpc_port=0, engine={"num_blocks": 256})
+    assert printed == ClusterConfig(http_port=0, grpc_port=0, engine={"cache": {"num_blocks": 256}})
     assert server.out[-1].startswith("Brigade serving tiny at http://127.0.0.1:")
     assert " and grpc://127.0.0.1:" in server.out[-1]
     assert server.out[-1].rstrip().endswith(" (1 prefill, 1 decode, disaggregated)")
@@ -230,11 +230,12 @@ def _serve_config(*argv: str) -> ClusterConfig:
 
 def test_config_file_then_flags(tmp_path: Path) -> None:
     path = tmp_path / "cluster.yaml"
-    path.write_text("model: tiny-moe\nprefill: 2\ndecode: 3\nengine:\n  block_size: 8\n  num_blocks: 128\n"
-                    "router:\n  max_waiting: 7\n")
+    path.write_text("model: tiny-moe\nprefill: 2\ndecode: 3\nengine:\n  cache:\n    block_size: 8\n"
+                    "    num_blocks: 128\nrouter:\n  max_waiting: 7\n")
     cfg = _serve_config("--config", str(path), "--decode", "1", "--num-blocks", "64", "--http-port", "9001")
     assert (cfg.model, cfg.prefill, cfg.decode, cfg.http_port) == ("tiny-moe", 2, 1, 9001)
-    assert (cfg.engine.block_size, cfg.engine.num_blocks) == (8, 64)  # a flag replaces one field of a section
+    assert (cfg.engine.cache.block_size, cfg.engine.cache.num_blocks) == (8, 64)  # a flag replaces one field
+    assert cfg.engine.model == "tiny-moe"  # the top-level model is the engine's
     assert cfg.router.max_waiting == 7
     assert _serve_config() == ClusterConfig()  # no file, no flags: the defaults
     assert _serve_config("--mode", "colocated", "--decode", "2").num_prefill == 0
@@ -250,6 +251,9 @@ def test_the_example_config_lists_every_field_at_its_default() -> None:
         assert f"\n{name}:" in f"\n{text}", name
         sub = getattr(field.annotation, "model_fields", {})
         for inner in sub:
+            if name == "engine" and inner in PER_WORKER:
+                assert f"\n  {inner}:" not in text, f"{name}.{inner} is set per worker"
+                continue
             assert f"\n  {inner}:" in text, f"{name}.{inner}"
 
 
@@ -257,7 +261,8 @@ BAD_SERVE = {
     # name: (argv, config file text or None, what the one error line must say)
     "unknown key": ([], "model: tiny\nenigne:\n  num_blocks: 4\n", "unknown key 'enigne' in"),
     "unknown nested key": ([], "engine:\n  num_blockz: 4\n", "unknown key 'engine.num_blockz'"),
-    "bad value in the file": ([], "engine:\n  block_size: 0\n", "engine.block_size (in"),
+    "bad value in the file": ([], "engine:\n  cache:\n    block_size: 0\n", "engine.cache.block_size (in"),
+    "a per-worker engine field": ([], "engine:\n  role: prefill\n", "engine.role is set per worker"),
     "not YAML": ([], "model: [tiny\n", "not valid YAML"),
     "flag over a bad file value": (["--block-size", "0"], None, "--block-size: Input should be greater"),
     "missing file": (["--config", "/nonexistent/cluster.yaml"], None, "cannot read config file"),
@@ -379,11 +384,12 @@ class FakeBackend:
     def validate(self, token_ids, params) -> None:
         pass
 
-    def generate(self, request_id, token_ids, params, *, cache_salt=None):
+    async def generate(self, req):
+        from engine.messages import Chunk
         from engine.outputs import Usage
-        from router.types import Chunk
 
-        self.salts.append(cache_salt)
+        request_id, token_ids = req.request_id, req.prompt_token_ids
+        self.salts.append(req.cache_salt)
         if self.fail is not None:
             raise self.fail
         try:
@@ -392,7 +398,7 @@ class FakeBackend:
         finally:
             self.closed.append(request_id)
 
-    def health(self):
+    async def health(self):
         return self.healthy, {} if self.healthy else {"reason": "no live decode worker"}
 
 
@@ -400,7 +406,7 @@ class FakeBackend:
 def fake_server() -> Iterator[tuple[str, FakeBackend, object]]:
     import threading
 
-    from router.http_api import ApiServer
+    from router.http.server import ApiServer
 
     server = ApiServer("127.0.0.1", 0)
     server.backend = backend = FakeBackend()
@@ -414,7 +420,7 @@ def fake_server() -> Iterator[tuple[str, FakeBackend, object]]:
 
 
 def test_front_door_maps_router_errors_to_retriable_statuses(fake_server) -> None:
-    from router.types import NoWorker, Overloaded
+    from router.errors import NoWorker, Overloaded
 
     url, backend, server = fake_server
     status, done, _ = _request(f"{url}/v1/completions", {"prompt": "hi", "return_token_ids": True})

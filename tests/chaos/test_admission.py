@@ -2,47 +2,38 @@
 (requests and prompt tokens) and the excess is refused at once with Overloaded, which both doors
 answer as 429 / RESOURCE_EXHAUSTED with a retry-after hint (tests/test_http_api.py, test_grpc_door.py).
 
-The Router runs over fake worker handles (our own actor interface), which hold every stream
-until released, so the burst meets full slots.
+The Router runs over a plain async fake of WorkerClient, which holds every stream until
+released, so the burst meets full slots.
 """
 from __future__ import annotations
 
 import asyncio
 import time
 
+from worker_fakes import FakeWorker
+
+from engine.messages import Chunk, GenerateRequest
 from router.config import RouterConfig
+from router.errors import Overloaded
 from router.router import Router
-from router.types import Chunk, GenerateRequest, Overloaded
 
 
-class _Remote:
-    def __init__(self, fn):
-        self.remote = fn
-
-
-class HeldWorker:
+class HeldWorker(FakeWorker):
     """A mixed worker whose streams all wait for `release`; one token, then finished."""
 
     def __init__(self):
+        super().__init__("w0", "mixed")
         self.release = asyncio.Event()
-        self.health = _Remote(self._health)
-        self.generate_local = _Remote(self._generate)
 
-    async def _health(self) -> dict:
-        return {"alive": True, "free_blocks": 1000, "running": 0, "model_id": "fake", "block_size": 16}
-
-    async def _generate(self, req: GenerateRequest):
+    async def generate(self, req: GenerateRequest, first=None, prefill=None):
         await self.release.wait()
-
-        async def chunk() -> Chunk:
-            return Chunk(req.request_id, [7], "x", True, "length")
-        yield chunk()
+        yield Chunk(req.request_id, [7], "x", True, "length")
 
 
 async def _burst(cfg: RouterConfig, n: int, prompt_len: int) -> dict:
     router = Router(cfg, colocated=True)
     worker = HeldWorker()
-    await router.add_worker("mixed", "w0", worker)
+    await router.add_worker(worker)
     peak = {"waiting": 0, "waiting_tokens": 0}
     refusals: list[float] = []
 
@@ -56,18 +47,18 @@ async def _burst(cfg: RouterConfig, n: int, prompt_len: int) -> dict:
             refusals.append(time.perf_counter() - start)
             return "refused"
         finally:
-            peak["waiting"] = max(peak["waiting"], router.waiting)
-            peak["waiting_tokens"] = max(peak["waiting_tokens"], router.waiting_tokens)
+            peak["waiting"] = max(peak["waiting"], router.admission.waiting)
+            peak["waiting_tokens"] = max(peak["waiting_tokens"], router.admission.waiting_tokens)
 
     tasks = [asyncio.create_task(one(i)) for i in range(n)]
     for _ in range(5):  # let every request reach admission
         await asyncio.sleep(0)
-    peak = {"waiting": max(peak["waiting"], router.waiting),
-            "waiting_tokens": max(peak["waiting_tokens"], router.waiting_tokens)}
+    peak = {"waiting": max(peak["waiting"], router.admission.waiting),
+            "waiting_tokens": max(peak["waiting_tokens"], router.admission.waiting_tokens)}
     refused_before_release = len(refusals)
     worker.release.set()
     outcomes = await asyncio.gather(*tasks)
-    router._health_task.cancel()
+    router.pool._health_task.cancel()
     return {"outcomes": outcomes, "peak": peak, "refusals": refusals, "refused_before_release": refused_before_release,
             "router": router}
 
@@ -85,7 +76,8 @@ def test_a_burst_at_10x_capacity_is_bounded_by_prompt_tokens() -> None:
     assert r["peak"]["waiting_tokens"] <= 1000 and r["peak"]["waiting"] == 10
     assert served == 14 and refused == 126
     assert r["refused_before_release"] == 126  # refused while the workers were still busy, not after
-    assert r["router"].waiting == r["router"].waiting_tokens == r["router"].running == 0
+    admission = r["router"].admission
+    assert admission.waiting == admission.waiting_tokens == admission.running == 0
 
 
 def test_the_request_bound_still_holds_with_short_prompts() -> None:

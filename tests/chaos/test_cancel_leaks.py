@@ -25,7 +25,7 @@ from cluster.backend import ClusterBackend
 from cluster.config import ClusterConfig
 from cluster.launch import launch, start_ray
 from engine import SamplingParams
-from router.types import GenerateRequest
+from engine.messages import GenerateRequest
 
 RUNS = 1000 if os.environ.get("BRIGADE_CHAOS_FULL") == "1" else 40
 AT_ONCE = 4
@@ -79,7 +79,7 @@ async def _leave_at(backend: ClusterBackend, rid: str, prompt: list[int], at: in
 
     async def read() -> None:
         nonlocal tokens, reason
-        stream = backend.agenerate(GenerateRequest(rid, prompt, params))
+        stream = backend.generate(GenerateRequest(rid, prompt, params))
         try:
             async for chunk in stream:
                 tokens += len(chunk.token_ids)

@@ -20,7 +20,8 @@ import ray
 from cluster.config import ClusterConfig
 from cluster.launch import launch, start_ray
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
-from router.types import GenerateRequest, StreamBroken
+from engine.messages import GenerateRequest
+from router.errors import StreamBroken
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -42,7 +43,7 @@ def cluster():
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     os.environ["RAY_AUTH_MODE"] = "disabled"
     start_ray(ClusterConfig(num_cpus=4))
-    cl = launch(ClusterConfig(num_cpus=2, prefill=1, decode=2, engine={"num_blocks": 512}))
+    cl = launch(ClusterConfig(num_cpus=2, prefill=1, decode=2, engine={"cache": {"num_blocks": 512}}))
     try:
         yield cl
     finally:

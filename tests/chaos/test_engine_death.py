@@ -134,7 +134,7 @@ def test_a_dead_decode_engine_is_ejected_then_replaced(served: Served, chaos_fig
 
     ray.get(decode.inject_fault.remote("engine_crash"))
     down = first_time(DEADLINE_S, {
-        "worker_not_alive_s": lambda: not ray.get(decode.health.remote(), timeout=5)["alive"],
+        "worker_not_alive_s": lambda: not ray.get(decode.health.remote(), timeout=5).alive,
         "router_ejected_s": lambda: http(base, "/health")[1].get("workers", {}).get("decode") == 0,
         "http_503_s": lambda: http(base, "/health")[0] == 503,
         "grpc_not_serving_s": lambda: grpc_health(target) == "NOT_SERVING",
@@ -160,7 +160,7 @@ def test_a_dead_decode_engine_is_ejected_then_replaced(served: Served, chaos_fig
     assert grpc_stream.error.tokens_sent is not None and grpc_stream.error.tokens_sent >= 1
 
     assert set(up) == {"http_200_s", "grpc_serving_s"}, up
-    assert ray.get(ray.get_actor("decode-1").health.remote())["alive"]
+    assert ray.get(ray.get_actor("decode-1").health.remote()).alive
     status, after = http(base, "/v1/completions", PROMPT)
     assert status == 200 and after["choices"][0]["text"] == before["choices"][0]["text"], after
     from brigade_client import Client

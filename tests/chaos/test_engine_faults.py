@@ -59,11 +59,11 @@ def test_the_router_takes_a_dead_engine_for_a_dead_worker() -> None:
     """So a request on it is migrated (or ends retriable), not failed as a bad request."""
     from ray.exceptions import RayTaskError
 
-    from router.actor import _worker_died
+    from router.workers import worker_died
 
     died = EngineDied("engine failed: InjectedFault('engine_crash')")
-    assert _worker_died(RayTaskError("generate", "tb", died))
-    assert _worker_died(RayTaskError("generate", "tb", died).as_instanceof_cause())
-    assert _worker_died(RayTaskError("generate", "tb", RayTaskError("push", "tb", died)))
-    assert not _worker_died(RayTaskError("generate", "tb", ValueError("max_tokens: too many")))
-    assert not _worker_died(ValueError("max_tokens: too many"))
+    assert worker_died(RayTaskError("generate", "tb", died))
+    assert worker_died(RayTaskError("generate", "tb", died).as_instanceof_cause())
+    assert worker_died(RayTaskError("generate", "tb", RayTaskError("push", "tb", died)))
+    assert not worker_died(RayTaskError("generate", "tb", ValueError("max_tokens: too many")))
+    assert not worker_died(ValueError("max_tokens: too many"))

@@ -26,10 +26,10 @@ from helpers import tiny_model_id
 
 from cluster.config import ClusterConfig
 from cluster.launch import launch, start_ray
-from cluster.registry import connect
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
-from router.prefix_index import PrefixIndex
-from router.types import GenerateRequest
+from engine.messages import GenerateRequest
+from router.index.query import PrefixIndex
+from router.index.registry import connect
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -46,7 +46,7 @@ def cluster(redis_server):
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     os.environ["RAY_AUTH_MODE"] = "disabled"
     start_ray(ClusterConfig(num_cpus=4))
-    cl = launch(ClusterConfig(num_cpus=2, mode="colocated", decode=2, engine={"num_blocks": NUM_BLOCKS},
+    cl = launch(ClusterConfig(num_cpus=2, mode="colocated", decode=2, engine={"cache": {"num_blocks": NUM_BLOCKS}},
                               index={"lease_ttl_s": 3.0, "key_prefix": f"chaos{random.randrange(1 << 30)}"},
                               router={"health_interval_s": HEALTH_INTERVAL_S}), redis_server.url)
     try:

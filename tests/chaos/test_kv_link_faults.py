@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import queue
 import random
 import shutil
 import subprocess
@@ -34,12 +33,13 @@ import torch
 import torch.distributed as dist
 from kv_fault_proxy import Fault, ProxiedStore, gloo_ports, proxied_pair
 from ray_processes import actor_processes
-from test_cluster import sink_tokens, wait_for
+from test_cluster import disaggregate, wait_for
 
 from cluster.config import ClusterConfig
 from cluster.launch import launch, start_ray
 from decode_worker import DecodeWorker
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+from engine.messages import GenerateRequest
 from kv_transfer import (
     ChannelClosed,
     ChecksumMismatch,
@@ -53,7 +53,6 @@ from kv_transfer import (
     rendezvous,
 )
 from prefill_worker import PrefillWorker
-from router.types import GenerateRequest
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -247,23 +246,10 @@ def proxied_workers():
 
 
 def serve_one(prefill: PrefillWorker, decode: DecodeWorker, rid: str, prompt: list[int]) -> tuple[list[int], bool]:
-    """One request as the router and the decode actor drive it: prefill, reserve, pull and start;
-    a failed transfer frees the reservation and recomputes on the decode worker.
-    Returns (tokens, recomputed)."""
-    req = GenerateRequest(rid, prompt, PARAMS)
-    first = prefill.prefill(req).result(timeout=30)
-    assert decode.reserve(rid, len(prompt))
-    outs: queue.Queue = queue.Queue()
-    try:
-        decode.pull(rid, prefill.worker_id, lambda: prefill.push(rid, decode.worker_id))
-        decode.start(rid, prompt, first.first_token_id, PARAMS, first.usage.cached_tokens, None,
-                     outs.put).result(timeout=30)
-        tokens, recomputed = [first.first_token_id], False
-    except KVTransferError:
-        decode.abort(rid)
-        decode.generate_local(req, outs.put).result(timeout=30)
-        tokens, recomputed = [], True
-    return tokens + sink_tokens(outs), recomputed
+    """One request as the router drives the plain workers (DecodeWorker.stream: a failed
+    transfer frees the reservation and recomputes on the decode worker). Returns (tokens, recomputed)."""
+    tokens, timing = disaggregate(prefill, decode, rid, prompt, PARAMS)
+    return tokens, timing.recomputed
 
 
 @pytest.mark.timeout(300)
@@ -314,7 +300,7 @@ def cluster():
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     os.environ["RAY_AUTH_MODE"] = "disabled"
     start_ray(ClusterConfig(num_cpus=4))
-    cl = launch(ClusterConfig(num_cpus=2, prefill=1, decode=1, engine={"num_blocks": 256},
+    cl = launch(ClusterConfig(num_cpus=2, prefill=1, decode=1, engine={"cache": {"num_blocks": 256}},
                               transfer={"timeout_s": 5.0}))
     try:
         yield cl

@@ -17,7 +17,7 @@ from test_cluster import cluster_config, collect, pool_whole, wait_for
 from cluster.config import ClusterConfig
 from cluster.launch import launch, start_ray
 from engine import SamplingParams
-from router.types import GenerateRequest
+from engine.messages import GenerateRequest
 
 HOLD_S = 3.0
 

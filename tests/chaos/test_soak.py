@@ -40,7 +40,8 @@ from cluster.config import ClusterConfig, SupervisorConfig
 from cluster.launch import launch, start_ray
 from cluster.supervisor import Supervisor
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
-from router.types import GenerateRequest, StreamBroken
+from engine.messages import GenerateRequest
+from router.errors import StreamBroken
 
 SOAK = os.environ.get("BRIGADE_CHAOS_SOAK") == "1"
 DURATION_S = float(os.environ.get("BRIGADE_SOAK_S", "1800"))
@@ -207,7 +208,7 @@ def cluster():
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     os.environ["RAY_AUTH_MODE"] = "disabled"
     start_ray(ClusterConfig(num_cpus=4))
-    cl = launch(ClusterConfig(num_cpus=2, prefill=2, decode=2, engine={"num_blocks": NUM_BLOCKS}))
+    cl = launch(ClusterConfig(num_cpus=2, prefill=2, decode=2, engine={"cache": {"num_blocks": NUM_BLOCKS}}))
     try:
         yield cl
     finally:

@@ -26,7 +26,8 @@ from cluster.config import ClusterConfig, SupervisorConfig
 from cluster.launch import launch, start_ray
 from cluster.supervisor import Supervisor
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
-from router.types import GenerateRequest, StreamBroken
+from engine.messages import GenerateRequest
+from router.errors import StreamBroken
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -42,7 +43,7 @@ def cluster():
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     os.environ["RAY_AUTH_MODE"] = "disabled"
     start_ray(ClusterConfig(num_cpus=4))
-    cl = launch(ClusterConfig(num_cpus=3, prefill=1, decode=2, engine={"num_blocks": 512},
+    cl = launch(ClusterConfig(num_cpus=3, prefill=1, decode=2, engine={"cache": {"num_blocks": 512}},
                               parallel={"decode_tp": 2, "timeout_s": TIMEOUT_S}))
     try:
         yield cl
@@ -62,7 +63,7 @@ def wait_until(what: str, check, timeout_s: float) -> float:
 
 def alive(handle) -> bool:
     try:
-        return bool(ray.get(handle.health.remote(), timeout=5)["alive"])
+        return ray.get(handle.health.remote(), timeout=5).alive
     except Exception:  # a dead leader counts as down too
         return False
 

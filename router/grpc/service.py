@@ -7,10 +7,12 @@ costs no worker anything. The handler's task is cancelled when the client goes a
 deadline passes; leaving the backend's stream then aborts the request on its workers and
 frees its KV (cluster/backend.py).
 
-Status codes: INVALID_ARGUMENT (trailing `brigade-field` names the field), UNAUTHENTICATED,
-NOT_FOUND (another model), RESOURCE_EXHAUSTED (router queue full; over-size messages are
-refused by gRPC itself), UNAVAILABLE (no live worker, starting, draining), each retriable one
-with trailing `retry-after-ms`.
+Status codes, from router/errors.py's table: INVALID_ARGUMENT (trailing `brigade-field` names
+the field), NOT_FOUND (another model), RESOURCE_EXHAUSTED (router queue full; over-size
+messages are refused by gRPC itself), UNAVAILABLE (no live worker), each retriable one with
+trailing `retry-after-ms`; and the door's own: UNAUTHENTICATED, UNAVAILABLE while starting or
+draining. The request's `session_id` and `priority` fields are accepted and not used (no
+session affinity or priority queues yet).
 """
 from __future__ import annotations
 
@@ -20,38 +22,25 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Protocol
 
 import grpc
 from brigade_client.errors import FIELD_KEY, RETRY_AFTER_KEY, STARTED_KEY, TOKENS_SENT_KEY
 from brigade_client.v1 import brigade_pb2 as pb
 from google.protobuf.message import DecodeError
 
-from engine.sampling import InvalidRequest, SamplingParams
-from router import grpc_messages as msgs
+from engine.messages import Chunk, GenerateRequest
+from engine.sampling import InvalidRequest
+from router import errors
 from router.auth import Authenticator, cache_salt
+from router.backend import Backend
+from router.errors import ModelNotFound, StreamBroken
+from router.grpc import messages as msgs
 from router.metrics import FrontDoorMetrics
-from router.types import Aborted, Chunk, GenerateRequest, NoWorker, Overloaded, StreamBroken
 
 log = logging.getLogger(__name__)
 SERVICE = "brigade.v1.Brigade"
 DOOR = "grpc"
 RETRY_AFTER_MS = 1000
-
-
-class AsyncBackend(Protocol):
-    """What the gRPC door needs from whatever runs the model (cluster/backend.py ClusterBackend)."""
-
-    model_name: str
-    max_model_len: int
-    vocab_size: int
-
-    def tokenize(self, prompt: str | list[int]) -> list[int]: ...
-    def chat_token_ids(self, messages: list[dict]) -> list[int]: ...
-    def detokenize(self, token_ids: list[int]) -> str: ...
-    def validate(self, token_ids: list[int], params: SamplingParams) -> None: ...
-    def agenerate(self, req: GenerateRequest) -> AsyncIterator[Chunk]: ...
-    async def ahealth(self) -> tuple[bool, dict]: ...
 
 
 class Refused(Exception):
@@ -74,20 +63,16 @@ class Refused(Exception):
 
 
 def refusal(exc: Exception) -> Refused:
+    """The status for an exception from the backend (router/errors.py's table)."""
     if isinstance(exc, Refused):
         return exc
-    if isinstance(exc, InvalidRequest):
-        return Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid", exc.field)
-    if isinstance(exc, Overloaded):
-        return Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), "overloaded", retry=True)
-    if isinstance(exc, StreamBroken):  # the client knows how many tokens it already has
-        return Refused(grpc.StatusCode.UNAVAILABLE, str(exc), "unavailable", retry=True, tokens_sent=exc.tokens_sent)
-    if isinstance(exc, NoWorker):
-        return Refused(grpc.StatusCode.UNAVAILABLE, str(exc), "unavailable", retry=True)
-    if isinstance(exc, Aborted):
-        return Refused(grpc.StatusCode.ABORTED, str(exc), "cancelled")
-    log.exception("gRPC request failed")
-    return Refused(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}", "error")
+    row = errors.answer(exc)
+    if row is errors.INTERNAL:
+        log.exception("gRPC request failed")
+        return Refused(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}", "error")
+    field = exc.field if isinstance(exc, InvalidRequest) else "model" if isinstance(exc, ModelNotFound) else None
+    tokens_sent = exc.tokens_sent if isinstance(exc, StreamBroken) else None  # the client knows how far it got
+    return Refused(grpc.StatusCode[row.grpc_code], str(exc), row.outcome, field, row.retry, tokens_sent)
 
 
 class DoorState:
@@ -95,7 +80,7 @@ class DoorState:
 
     def __init__(self, auth: Authenticator, metrics: FrontDoorMetrics):
         self.auth, self.metrics = auth, metrics
-        self.backend: AsyncBackend | None = None
+        self.backend: Backend | None = None
         self.draining = False
         self.in_flight = 0
 
@@ -125,7 +110,7 @@ class BrigadeService:
         run = _Run(self.state)
         try:
             req, reply_id, with_logprobs = self._generate_request(data, context)
-            async with contextlib.aclosing(self.state.backend.agenerate(req)) as chunks:
+            async with contextlib.aclosing(self.state.backend.generate(req)) as chunks:
                 async for chunk in chunks:
                     run.seen(chunk)
                     yield msgs.chunk_message(chunk, reply_id, with_logprobs)
@@ -144,7 +129,7 @@ class BrigadeService:
         run, got = _Run(self.state), []
         try:
             req, reply_id, with_logprobs = self._generate_request(data, context)
-            async with contextlib.aclosing(self.state.backend.agenerate(req)) as chunks:
+            async with contextlib.aclosing(self.state.backend.generate(req)) as chunks:
                 async for chunk in chunks:
                     run.seen(chunk)
                     got.append(chunk)
@@ -166,16 +151,14 @@ class BrigadeService:
         msg = _parse(pb.GenerateRequest, data)
         backend = self.state.backend
         if msg.model and msg.model != backend.model_name:
-            raise Refused(grpc.StatusCode.NOT_FOUND, f"model: {msg.model!r} is not served here; "
-                          f"this server serves {backend.model_name!r}", "invalid", "model")
+            raise ModelNotFound(msg.model, backend.model_name)
         params = msgs.sampling_params(msg.sampling)
         kind, value = msgs.prompt(msg)
         ids = backend.chat_token_ids(value) if kind == "chat" else backend.tokenize(value)
         backend.validate(ids, params)
         internal = f"grpc-{uuid.uuid4().hex}"
         salt = cache_salt(tenant, msg.cache_salt or None)  # the same rule as the HTTP door
-        req = GenerateRequest(internal, ids, params, cache_salt=salt, session_id=msg.session_id or None,
-                              priority=msg.priority)
+        req = GenerateRequest(internal, ids, params, cache_salt=salt)
         return req, msg.request_id or internal, params.logprobs is not None
 
     # -- the rest -----------------------------------------------------------------------

@@ -5,8 +5,8 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from engine.engine_loop import Sink
+from engine.messages import Chunk
 from engine.outputs import RequestOutput
-from router.types import Chunk
 
 
 class OutputStream:

@@ -24,10 +24,10 @@ from typing import Any
 
 import redis
 
-from cluster.registry import WorkerRegistry, connect
 from engine.cache_events import CacheEvent
 from router.config import IndexConfig, IndexLink
-from router.prefix_index import TIER_BITS, IndexKeys, encode
+from router.index.keys import TIER_BITS, IndexKeys, encode
+from router.index.registry import WorkerRegistry, connect
 
 log = logging.getLogger(__name__)
 MAX_BATCH = 2000  # blocks per transaction: a full resync goes out over several rounds
@@ -156,9 +156,10 @@ class IndexPublisher:
         self.redis.close()
 
 
-def worker_publisher(link: IndexLink, worker_id: str, role: str, loop, publish_events: bool) -> IndexPublisher:
-    """Start a worker's lease, and its cache events' publication when `publish_events`
-    (prefill and mixed workers; a decode worker's cache serves no routing decision).
+def worker_publisher(link: IndexLink, worker_id: str, role: str, loop) -> IndexPublisher:
+    """Start a worker's lease, and its cache events' publication for prefill and mixed workers
+    (a decode worker's cache serves no routing decision). The engine.worker_base
+    PublisherFactory cluster/ hands each worker at launch, as `partial(worker_publisher, link)`;
     `loop` is the worker's EngineLoop, built with cache.record_events on when publishing."""
     def take() -> list[CacheEvent]:
         # No timeout that would drop the call: its events would be lost when it ran later. A
@@ -173,11 +174,9 @@ def worker_publisher(link: IndexLink, worker_id: str, role: str, loop, publish_e
 
     engine = loop.engine
     return IndexPublisher(link.index, link.redis_url, worker_id, role, engine.model_id,
-                          take if publish_events else list, info={"block_size": engine.block_size}).start()
+                          take if publishes_events(role) else list, info={"block_size": engine.block_size}).start()
 
 
-def with_events(engine_cfg, on: bool):
-    """The engine config with its cache event log switched on when the worker publishes them."""
-    if not on:
-        return engine_cfg
-    return engine_cfg.model_copy(update={"cache": engine_cfg.cache.model_copy(update={"record_events": True})})
+def publishes_events(role: str) -> bool:
+    """Whether a worker of `role` publishes its cache (its engine must then record events)."""
+    return role in ("prefill", "mixed")

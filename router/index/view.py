@@ -3,7 +3,7 @@
 When Redis cannot be reached the view says so once in the log, reports it in status, and
 answers no hits, so routing goes on by load alone (clients see no error). The router's
 health loop calls refresh() every interval; the first one that reaches Redis again brings
-the hits back (the workers re-publish their caches on their own, see index_publisher).
+the hits back (the workers re-publish their caches on their own, see publisher.py).
 """
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from dataclasses import replace
 
 import redis
 
-from cluster.registry import RegistryError
 from engine.block_hash import chain_hashes, salted_root
 from router.config import IndexConfig
-from router.prefix_index import PrefixHit, PrefixIndex
+from router.index.query import PrefixHit, PrefixIndex
+from router.index.registry import RegistryError
 
 log = logging.getLogger(__name__)
 

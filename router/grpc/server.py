@@ -7,7 +7,7 @@ NOT_SERVING and new requests UNAVAILABLE at once, streams in flight finish (up t
 window), then the listener closes. Besides brigade.v1.Brigade it serves grpc.health.v1
 (kept up to date from the backend's health: NOT_SERVING with no live worker of a needed role)
 and server reflection. Handlers run on this loop; each stream's chunks are read from the
-router by a thread of their own (ClusterBackend.agenerate) and handed to the loop.
+router by a thread of their own (ClusterBackend.generate) and handed to the loop.
 """
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from router.auth import Authenticator
+from router.backend import Backend
 from router.config import FrontDoorConfig
-from router.grpc_service import SERVICE, AsyncBackend, BrigadeService, DoorState
+from router.grpc.service import SERVICE, BrigadeService, DoorState
 from router.metrics import FrontDoorMetrics
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class GrpcServer:
         self.tls = frontdoor.tls.enabled
 
     # -- lifetime (called from the serving thread) ---------------------------------------
-    def attach(self, backend: AsyncBackend) -> None:
+    def attach(self, backend: Backend) -> None:
         """Serve through `backend` from now on."""
         self.state.backend = backend
         self._call(self._refresh())
@@ -115,7 +116,7 @@ class GrpcServer:
         ok = False
         if self.state.backend is not None:
             try:
-                ok, details = await self.state.backend.ahealth()
+                ok, details = await self.state.backend.health()
                 if "running" in details:  # the queue gauges an autoscaler reads from /metrics
                     self.state.metrics.set_router_queue(details["waiting"], details["running"])
             except Exception as exc:

@@ -1,15 +1,17 @@
-"""The OpenAI-compatible HTTP front door: stdlib HTTP over a small `Backend` interface.
+"""The OpenAI-compatible HTTP front door: stdlib HTTP over the doors' `Backend` (router/backend.py).
 
-Handler threads check auth, parse and check JSON (router/openai_format.py), ask the backend
-to tokenize and validate (which must not touch an engine), then relay the backend's Chunk
-stream as one JSON answer or as server-sent events. They never hold an engine: the backend
-reaches the workers (Ray actors behind the router, in `cluster/backend.py`).
+Handler threads check auth, parse and check JSON (router/http/openai_format.py), ask the backend
+to tokenize and validate (which must not touch an engine), build the GenerateRequest, then
+relay the backend's async Chunk stream (through the server's own loop thread,
+router/http/bridge.py) as one JSON answer or as server-sent events. They never hold an
+engine: the backend reaches the workers (Ray actors behind the router, in `cluster/backend.py`).
 
-Errors are OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad
-request (naming `param`), 401 with `WWW-Authenticate: Bearer` without a known token, 404 for
-an unknown route or model, 413 for a body over `frontdoor.max_message_bytes`, 429 with
-Retry-After when the router's queue is full, 503 with Retry-After when no worker of a needed
-role is alive or the server is draining.
+Errors are OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}`, with the status
+of router/errors.py's table: 400 for a bad request (naming `param`), 404 for another model,
+429 with Retry-After when the router's queue is full, 503 with Retry-After when no worker of a
+needed role is alive; and the door's own: 401 with `WWW-Authenticate: Bearer` without a known
+token, 404 for an unknown route, 413 for a body over `frontdoor.max_message_bytes`, 503 while
+starting or draining.
 
 Auth (when tokens are configured) covers every route, /metrics included (Prometheus sends
 the token with `authorization: {credentials_file: ...}`), except /health while
@@ -31,15 +33,18 @@ import traceback
 from collections.abc import Iterator
 from contextlib import closing
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Protocol
 from urllib.parse import urlsplit
 
-from engine.sampling import InvalidRequest, SamplingParams
+from engine.messages import Chunk, GenerateRequest
+from engine.sampling import InvalidRequest
+from router import errors
 from router.auth import DEFAULT_TENANT, Authenticator, cache_salt
+from router.backend import Backend
 from router.config import FrontDoorConfig
+from router.errors import ModelNotFound
+from router.http.bridge import LoopThread
+from router.http.openai_format import ChatShape, Collected, CompletionShape, parse_chat, parse_completion
 from router.metrics import CONTENT_TYPE, FrontDoorMetrics
-from router.openai_format import ChatShape, Collected, CompletionShape, ModelNotFound, parse_chat, parse_completion
-from router.types import Chunk, NoWorker, Overloaded
 
 RETRY_AFTER_S = 1  # what 429/503 answers suggest; the condition is usually brief
 HANDSHAKE_TIMEOUT_S = 10.0  # a TLS client that stalls its handshake gives up its thread after this
@@ -52,35 +57,6 @@ ROUTES = {"/v1/completions": (parse_completion, CompletionShape),
           "/v1/chat/completions": (parse_chat, ChatShape)}
 
 
-class Backend(Protocol):
-    """What the front door needs from whatever runs the model."""
-
-    model_name: str  # the id /v1/models lists and requests may name
-    max_model_len: int
-
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        """Token ids for a prompt; InvalidRequest (field "prompt") if it cannot be tokenized."""
-
-    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        """Text for token ids; InvalidRequest (field "token_ids") for ids outside the vocabulary."""
-
-    def chat_token_ids(self, messages: list[dict]) -> list[int]:
-        """Messages through the chat template; InvalidRequest (field "messages") if malformed."""
-
-    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        """InvalidRequest naming the field if the request can never run."""
-
-    def generate(self, request_id: str, token_ids: list[int], params: SamplingParams, *,
-                 cache_salt: str | None = None) -> Iterator[Chunk]:
-        """The request's chunks, the last one `finished`. Admission errors (Overloaded,
-        NoWorker, InvalidRequest) come from the first next(). Closing the iterator before the
-        last chunk aborts the request and frees its KV. Prefixes are shared in the KV caches
-        only between requests with the same `cache_salt`."""
-
-    def health(self) -> tuple[bool, dict]:
-        """(can serve now, details for /health; "waiting"/"running" at the router if known)."""
-
-
 class TLSSetupError(ValueError):
     """The configured certificate or key cannot be loaded; the message names both files."""
 
@@ -90,32 +66,34 @@ class ApiError(Exception):
                  headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.param = status, param
+        self.outcome: str | None = None  # set from the error table; else by status
         self.headers = dict(headers or {})
         if retry_after is not None:
             self.headers["Retry-After"] = str(retry_after)
 
 
 def api_error(exc: BaseException) -> ApiError:
-    """The HTTP answer for an exception from the backend."""
+    """The HTTP answer for an exception from the backend (router/errors.py's table)."""
     if isinstance(exc, ApiError):
         return exc
-    if isinstance(exc, InvalidRequest):
-        return ApiError(400, str(exc), exc.field)
-    if isinstance(exc, ModelNotFound):
-        return ApiError(404, str(exc), "model")
-    if isinstance(exc, Overloaded):
-        return ApiError(429, str(exc), retry_after=RETRY_AFTER_S)
-    if isinstance(exc, NoWorker):
-        return ApiError(503, str(exc), retry_after=RETRY_AFTER_S)
-    return ApiError(500, f"internal error: {exc}")
+    row = errors.answer(exc)
+    if row is errors.INTERNAL:
+        return ApiError(500, f"internal error: {exc}")
+    param = exc.field if isinstance(exc, InvalidRequest) else "model" if isinstance(exc, ModelNotFound) else None
+    error = ApiError(row.http_status, str(exc), param, retry_after=RETRY_AFTER_S if row.retry else None)
+    error.outcome = row.outcome
+    return error
 
 
+# The door's own answers (auth, routes, bodies); the rest come from router/errors.py's table.
 OUTCOMES = {200: "ok", 401: "unauthenticated", 429: "overloaded", 503: "unavailable", 500: "error"}
 
 
-def outcome(status: int) -> str:
-    """The metrics outcome for an answer's status (the same names the gRPC door uses)."""
-    return OUTCOMES.get(status, "invalid" if 400 <= status < 500 else "error")
+def outcome(error: ApiError) -> str:
+    """The metrics outcome for an answer (the same names the gRPC door uses)."""
+    if error.outcome is not None:
+        return error.outcome
+    return OUTCOMES.get(error.status, "invalid" if 400 <= error.status < 500 else "error")
 
 
 class ApiServer(ThreadingHTTPServer):
@@ -131,15 +109,17 @@ class ApiServer(ThreadingHTTPServer):
     def __init__(self, host: str, port: int, frontdoor: FrontDoorConfig = FrontDoorConfig(),
                  metrics: FrontDoorMetrics | None = None, auth: Authenticator | None = None):
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        super().__init__((host, port), Handler)
+        self._in_flight = 0
+        self._idle = threading.Condition()
+        self._closed = False
+        self.bridge = LoopThread()  # where handler threads run the backend's coroutines
+        super().__init__((host, port), Handler)  # a failed bind closes the server, bridge included
         self.frontdoor = frontdoor
         self.metrics = metrics if metrics is not None else FrontDoorMetrics()
         self.auth = auth if auth is not None else Authenticator({})
         self.backend: Backend | None = None
         self.io_timeout_s = IO_TIMEOUT_S
         self.draining = threading.Event()
-        self._in_flight = 0
-        self._idle = threading.Condition()
         if frontdoor.tls.enabled:
             try:
                 context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -176,6 +156,16 @@ class ApiServer(ThreadingHTTPServer):
             self._in_flight += delta
             if not self._in_flight:
                 self._idle.notify_all()
+                if self._closed:
+                    self.bridge.stop()
+
+    def server_close(self) -> None:
+        """Stop listening; the backend's loop stops once the requests in flight are answered."""
+        super().server_close()
+        with self._idle:
+            self._closed = True
+            if not self._in_flight:
+                self.bridge.stop()
 
     def wait_idle(self, timeout_s: float) -> bool:
         """True once no request is in flight; False if `timeout_s` passed first."""
@@ -218,7 +208,7 @@ class Handler(BaseHTTPRequestHandler):
             elif path.startswith("/v1/models/"):
                 name = path.removeprefix("/v1/models/")
                 if name != self._backend().model_name:
-                    raise ModelNotFound(name)
+                    raise ModelNotFound(name, self._backend().model_name)
                 self._send(200, self._model())
             else:
                 raise ApiError(404, f"no route GET {path}; try /health, /metrics, /v1/models")
@@ -242,7 +232,7 @@ class Handler(BaseHTTPRequestHandler):
             error = api_error(exc)
             if error.status == 500:  # a bug: answer rather than drop the connection
                 traceback.print_exc()
-            record.outcome = outcome(error.status)
+            record.outcome = outcome(error)
             self._error(error)
         finally:
             metrics.in_flight.labels(DOOR).dec()
@@ -279,7 +269,7 @@ class Handler(BaseHTTPRequestHandler):
         if self.server.draining.is_set():
             return self._send(503, {"status": "draining"},
                               headers={"Retry-After": str(RETRY_AFTER_S)})
-        ok, details = self._backend().health()
+        ok, details = self.server.bridge.run(self._backend().health())
         self._send(200 if ok else 503, {"status": "ok" if ok else "unavailable", **details},
                    headers=None if ok else {"Retry-After": str(RETRY_AFTER_S)})
 
@@ -287,7 +277,7 @@ class Handler(BaseHTTPRequestHandler):
         """Prometheus text; the router's queue gauges are read now, at scrape time."""
         metrics = self.server.metrics
         if self.server.backend is not None:
-            _, details = self.server.backend.health()
+            _, details = self.server.bridge.run(self.server.backend.health())
             if "waiting" in details:
                 metrics.set_router_queue(details["waiting"], details["running"])
         self._send_bytes(200, metrics.exposition(), CONTENT_TYPE)
@@ -325,8 +315,8 @@ class Handler(BaseHTTPRequestHandler):
         backend = self._backend()
         parsed = parse(body, backend)
         shape = shape_cls(backend, parsed)
-        salt = cache_salt(tenant, parsed.cache_salt)
-        with closing(backend.generate(shape.id, parsed.prompt_ids, parsed.params, cache_salt=salt)) as chunks:
+        req = GenerateRequest(shape.id, parsed.prompt_ids, parsed.params, cache_salt(tenant, parsed.cache_salt))
+        with closing(self.server.bridge.iterate(backend.generate(req))) as chunks:
             first = next(chunks)  # admission errors surface here, before any header is sent
             record.ttft_s = time.monotonic() - record.start
             if parsed.stream:
@@ -369,7 +359,7 @@ class Handler(BaseHTTPRequestHandler):
             raise  # do_POST records it; closing `chunks` aborts the request
         except Exception as exc:  # headers are out: report the failure in the stream
             error = api_error(exc)
-            record.outcome = outcome(error.status)
+            record.outcome = outcome(error)
             self._event({"error": _error_body(error)})
 
     def _client_gone(self) -> bool:

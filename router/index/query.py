@@ -1,4 +1,4 @@
-"""The prefix index in Redis: which worker holds which block, in which tier, for one model.
+"""The prefix index in Redis, the router's query: which worker holds the longest prefix, in which tier.
 
 Layout (every key under the configured prefix, so an ACL user limited to `~PREFIX:*` works):
 
@@ -8,7 +8,7 @@ Layout (every key under the configured prefix, so an ACL user limited to `~PREFI
 
 HEX is a chained block hash (engine.block_hash), so a key names a whole prefix and a cache
 salt is already in it. An entry counts only while its worker holds a live lease of the same
-epoch (cluster.registry): the query takes the live (worker, epoch) pairs as arguments, so a
+epoch (router.index.registry): the query takes the live (worker, epoch) pairs as arguments, so a
 restarted or expired worker's entries never count, and its stale fields are overwritten when
 it stores the block again. The index is a hint: a wrong entry costs a recompute.
 """
@@ -19,10 +19,8 @@ from dataclasses import dataclass
 
 import redis
 
-from cluster.registry import WorkerRegistry
-
-TIER_BITS = {"device": 1, "host": 2, "disk": 4}
-EPOCH_SHIFT = 8  # value = epoch * 8 + mask
+from router.index.keys import IndexKeys
+from router.index.registry import WorkerRegistry
 
 # KEYS: the request's block keys, in chain order. ARGV: n, then n (worker id, epoch) pairs.
 # Returns per worker, in argument order: leading blocks held, and of those how many are best
@@ -68,24 +66,6 @@ class PrefixHit:
     device: int = 0
     host: int = 0
     disk: int = 0
-
-
-class IndexKeys:
-    def __init__(self, prefix: str, model_id: str):
-        self.base = f"{prefix}:{model_id}"
-
-    def block(self, h: bytes) -> str:
-        return f"{self.base}:blk:{h.hex()}"
-
-    def pub(self, worker_id: str) -> str:
-        return f"{self.base}:pub:{worker_id}"
-
-    def resync(self, worker_id: str) -> str:
-        return f"{self.base}:resync:{worker_id}"
-
-
-def encode(epoch: int, mask: int) -> int:
-    return epoch * EPOCH_SHIFT + mask
 
 
 class PrefixIndex:

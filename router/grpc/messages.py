@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from brigade_client.v1 import brigade_pb2 as pb
 
+from engine.messages import Chunk
 from engine.sampling import InvalidRequest, SamplingParams, TokenLogprobs
-from router.types import Chunk
 
 # proto3 `optional` fields: copied only when present, so an unset field keeps the engine default.
 _OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "logprobs")

@@ -18,6 +18,7 @@ from typing import Any
 
 from engine.outputs import Usage
 from engine.sampling import InvalidRequest, SamplingParams, TokenLogprobs
+from router.errors import ModelNotFound
 from router.request_fields import SAMPLING_FIELDS, sampling_params, token_ids
 
 
@@ -40,7 +41,7 @@ def _plain_text_format(name: str, value: Any) -> bool:
 
 def _common(body: dict, backend) -> dict[str, Any]:
     if body.get("model") not in (None, backend.model_name):
-        raise ModelNotFound(body["model"])
+        raise ModelNotFound(body["model"], backend.model_name)
     for name in ("n", "best_of"):
         if body.get(name) not in (None, 1):
             raise InvalidRequest(name, f"only {name}=1 is supported, got {body[name]!r}")
@@ -119,11 +120,6 @@ def _flag(body: dict, name: str) -> bool:
     if value is not None and not isinstance(value, bool):
         raise InvalidRequest(name, f"must be true or false, got {value!r:.40}")
     return bool(value)
-
-
-class ModelNotFound(LookupError):
-    def __init__(self, model: Any):
-        super().__init__(f"model {model!r:.80} is not served here; see /v1/models")
 
 
 # -- responses ------------------------------------------------------------------------------------
