@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 from brigade_client import (
+    BrigadeError,
     Client,
     InvalidArgument,
     NotFound,
@@ -171,6 +172,15 @@ def test_unavailable_before_the_first_token_is_retried(door) -> None:
         with pytest.raises(Unavailable) as info:
             client.generate("hi")
     assert info.value.retry_after_s == 1.0 and "no live decode worker" in info.value.message
+
+
+def test_a_bug_is_internal_with_a_log_id_and_no_internal_text(door) -> None:
+    server, backend = door
+    backend.fail = [RuntimeError("/opt/brigade/secret/path.py: ray::DecodeActor internals")]
+    with Client(server.address, max_retries=0) as client, pytest.raises(BrigadeError) as info:
+        client.generate("hi")
+    assert info.value.code == grpc.StatusCode.INTERNAL and "logged it under id" in info.value.message
+    assert "/opt/brigade" not in info.value.message and "ray::" not in info.value.message
 
 
 def test_overloaded_is_resource_exhausted_and_not_retried(door) -> None:

@@ -323,6 +323,20 @@ def test_router_refusals_surface_as_openai_exceptions(server: ApiServer) -> None
     assert metric(server, "brigade_requests_total", door="http", outcome="unavailable") == 1
 
 
+def test_a_bug_answers_500_with_a_log_id_and_no_internal_text(server: ApiServer) -> None:
+    from engine.engine_loop import RequestFailed
+
+    server.backend.fail = RuntimeError("/opt/brigade/secret/path.py: ray::DecodeActor internals")
+    status, err, _ = post(f"{server.url}/v1/completions", {"prompt": "hi"})
+    assert status == 500 and "logged it under id" in err["error"]["message"]
+    assert "/opt/brigade" not in err["error"]["message"] and "ray::" not in err["error"]["message"]
+    server.backend.fail = RequestFailed("the request failed in the engine (sampling); log id 0123456789ab")
+    status, err, _ = post(f"{server.url}/v1/completions", {"prompt": "hi"})
+    assert status == 500 and err["error"]["message"].endswith("log id 0123456789ab")  # its own, safe message
+    server.backend.fail = None
+    assert post(f"{server.url}/v1/completions", {"prompt": "ok", "max_tokens": 3})[0] == 200
+
+
 def raw_post(server: ApiServer, body: bytes, length: int | None = None) -> socket.socket:
     sock = socket.create_connection(server.server_address[:2])
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

@@ -68,11 +68,10 @@ def refusal(exc: Exception) -> Refused:
         return exc
     row = errors.answer(exc)
     if row is errors.INTERNAL:
-        log.exception("gRPC request failed")
-        return Refused(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}", "error")
+        return Refused(grpc.StatusCode.INTERNAL, errors.internal_message(exc), "error")
     field = exc.field if isinstance(exc, InvalidRequest) else "model" if isinstance(exc, ModelNotFound) else None
     tokens_sent = exc.tokens_sent if isinstance(exc, StreamBroken) else None  # the client knows how far it got
-    return Refused(grpc.StatusCode[row.grpc_code], str(exc), row.outcome, field, row.retry, tokens_sent)
+    return Refused(grpc.StatusCode[row.grpc_code], errors.safe_text(exc), row.outcome, field, row.retry, tokens_sent)
 
 
 class DoorState:

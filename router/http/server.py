@@ -78,9 +78,9 @@ def api_error(exc: BaseException) -> ApiError:
         return exc
     row = errors.answer(exc)
     if row is errors.INTERNAL:
-        return ApiError(500, f"internal error: {exc}")
+        return ApiError(500, errors.internal_message(exc))
     param = exc.field if isinstance(exc, InvalidRequest) else "model" if isinstance(exc, ModelNotFound) else None
-    error = ApiError(row.http_status, str(exc), param, retry_after=RETRY_AFTER_S if row.retry else None)
+    error = ApiError(row.http_status, errors.safe_text(exc), param, retry_after=RETRY_AFTER_S if row.retry else None)
     error.outcome = row.outcome
     return error
 
