@@ -83,3 +83,6 @@ class FrontDoorConfig(_Frozen):
     auth: AuthConfig = AuthConfig()
     tls: TLSConfig = TLSConfig()
     max_message_bytes: int = Field(4 << 20, ge=1024)  # larger requests: RESOURCE_EXHAUSTED / 413
+    # gRPC calls served at once (streams included); more are RESOURCE_EXHAUSTED at once, so a
+    # flood of slow or idle calls cannot pile up handlers without bound.
+    max_concurrent_rpcs: int = Field(1024, ge=1)

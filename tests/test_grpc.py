@@ -364,7 +364,7 @@ def test_property_based_extreme_requests_get_no_internal_error_and_kill_no_worke
     assert codes.count(grpc.StatusCode.INVALID_ARGUMENT) > 10 and grpc.StatusCode.OK in codes
     wait_for(lambda: router_idle(cl) and pools_whole(cl), what="router idle and every pool whole")
     assert {wid: h._actor_id.hex() for wid, h in cl.workers.items()} == actors  # nobody died or was replaced
-    assert all(r["alive"] for r in ray.get([h.health.remote() for h in cl.workers.values()]))
+    assert all(r.alive for r in ray.get([h.health.remote() for h in cl.workers.values()]))
 
 
 # -- drain (last: a second server over the same backend) ------------------------------------------

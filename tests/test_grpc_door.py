@@ -6,8 +6,12 @@ a stand-in, scripted per test.
 """
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -22,6 +26,7 @@ from brigade_client import (
     Unavailable,
 )
 from brigade_client import cli as client_cli
+from brigade_client.v1 import brigade_pb2 as pb
 
 from engine.messages import Chunk, Timing
 from engine.outputs import Usage
@@ -121,6 +126,48 @@ def test_auth_refuses_missing_and_unknown_tokens_and_salts_by_tenant(auth_door) 
         zeta.generate("hi", cache_salt="x")
     assert [r.cache_salt for r in backend.calls] == ["acme", "zeta:x"]
     assert server.state.metrics.requests.labels("grpc", "unauthenticated")._value.get() == 4
+
+
+def test_an_unauthenticated_call_is_refused_before_its_bytes_are_parsed(auth_door) -> None:
+    """A big body, and bytes that are no GenerateRequest at all: UNAUTHENTICATED either way (a
+    parse would have said INVALID_ARGUMENT), and nothing reaches the backend."""
+    server, backend = auth_door
+    with grpc.insecure_channel(server.address) as channel:
+        for method in ("GenerateUnary", "Generate"):
+            kind = channel.unary_stream if method == "Generate" else channel.unary_unary
+            call = kind(f"/brigade.v1.Brigade/{method}")
+            for body in (pb.GenerateRequest(text="x" * (1 << 20)).SerializeToString(), b"\xff\xff not a message"):
+                with pytest.raises(grpc.RpcError) as info:
+                    result = call(body, timeout=30)
+                    if method == "Generate":
+                        list(result)
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, (method, info.value.details())
+    assert backend.calls == []
+
+
+def test_calls_over_max_concurrent_rpcs_are_resource_exhausted_at_once() -> None:
+    server, backend = make_door(FrontDoorConfig(max_concurrent_rpcs=2))
+    release = threading.Event()
+
+    async def slow(req):
+        backend.calls.append(req)
+        await asyncio.get_running_loop().run_in_executor(None, release.wait, 30)
+        yield Chunk(req.request_id, [3], "t3", True, "length", Usage(1, 1, 0))
+    backend.generate = slow
+    try:
+        with Client(server.address, max_retries=0, timeout=30) as client, ThreadPoolExecutor(2) as pool:
+            held = [pool.submit(lambda: list(client.stream("hi"))) for _ in range(2)]
+            deadline = time.monotonic() + 20
+            while len(backend.calls) < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            with pytest.raises(ResourceExhausted):
+                client.generate("hi")  # the third at once: refused, not queued
+            release.set()
+            assert all(len(f.result(timeout=30)) == 1 for f in held)
+            assert len(client.generate("hi").token_ids) == 1  # and served again once they are done
+    finally:
+        release.set()
+        server.close()
 
 
 def test_reflection_needs_a_token_and_health_too_unless_public(monkeypatch) -> None:
