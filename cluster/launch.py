@@ -5,12 +5,15 @@ cluster.config.worker_config, and, when the cluster has a prefix index, its cach
 publisher (router.index.publisher) handed in as a factory, so no worker imports the router."""
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from functools import partial
 
+import psutil
 import ray
 
 from cluster.config import ClusterConfig, cpu_budget, worker_config
@@ -40,9 +43,38 @@ def start_ray(cfg: ClusterConfig) -> None:
         _keep_ray_on_loopback()
     # Local: Ray's CPU counts are bookkeeping only; each worker sets its own torch threads.
     # Twice the budget leaves room for workers added after start.
-    ray.init(num_cpus=int(2 * max(cpu_budget(cfg), 1)), include_dashboard=False, namespace=NAMESPACE,
-             object_store_memory=OBJECT_STORE_BYTES, _node_ip_address=cfg.host,
-             resources=local_resources(cfg) or None, runtime_env={"env_vars": env})
+    options = dict(num_cpus=int(2 * max(cpu_budget(cfg), 1)), include_dashboard=False, namespace=NAMESPACE,
+                   object_store_memory=OBJECT_STORE_BYTES, _node_ip_address=cfg.host,
+                   resources=local_resources(cfg) or None, runtime_env={"env_vars": env})
+    for attempt in (1, 2):
+        ours = {p.pid for p in psutil.Process().children(recursive=True)}  # redis-server, if embedded
+        try:
+            ray.init(**options)
+            return
+        except Exception as exc:  # noqa: BLE001 - Ray raises plain Exception for a node that timed out
+            if attempt == 2:
+                raise
+            # On a loaded machine Ray's own bootstrap now and then misses a fixed 30 s wait (the
+            # GCS writes no port file, or the raylet registers late): stop what it started, once more.
+            print(f"Ray did not start ({str(exc).splitlines()[0][:200]}); stopping what it started and "
+                  "trying once more", file=sys.stderr, flush=True)
+            _stop_new_processes(ours)
+
+
+def _stop_new_processes(before: set[int], grace_s: float = 5.0) -> None:
+    """ray.shutdown(), then stop every process under this one that was not there `before`
+    (a half-started Ray's daemons and agents)."""
+    with contextlib.suppress(Exception):
+        ray.shutdown()
+    new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    for p in new:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(new, timeout=grace_s)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=grace_s)
 
 
 def local_resources(cfg: ClusterConfig) -> dict[str, float]:
