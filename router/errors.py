@@ -47,9 +47,15 @@ class WorkerLost(Exception):
     migrates. Raised by the WorkerClient (which knows what a dead worker looks like) and by
     dispatch; never leaves the router."""
 
-    def __init__(self, worker_id: str):
+    def __init__(self, worker_id: str, engine_died: bool = False):
         super().__init__(worker_id)
         self.worker_id = worker_id
+        self.engine_died = engine_died  # its engine failed a step (not the process or node lost)
+
+
+class PoisonRequest(RuntimeError):
+    """A request was in the batch of two engine deaths in a row: likely what kills engines, so
+    it is failed for good rather than migrated onto a third (not retriable)."""
 
 
 class ModelNotFound(LookupError):
@@ -77,6 +83,7 @@ ERRORS: dict[type[BaseException], Answer] = {
     NoWorker: Answer(503, "UNAVAILABLE", "unavailable", retry=True),
     Aborted: Answer(500, "ABORTED", "cancelled"),
     RequestFailed: Answer(500, "INTERNAL", "error"),
+    PoisonRequest: Answer(500, "INTERNAL", "error"),
 }
 INTERNAL = Answer(500, "INTERNAL", "error")
 

@@ -64,11 +64,20 @@ class WorkerClient(Protocol):
         """The engine's counters, for operators and benchmarks."""
 
 
-def worker_died(exc: BaseException) -> bool:
-    """A call failed because the worker is gone, not because of the request."""
+def _cause(exc: BaseException) -> BaseException:
     while isinstance(exc, RayTaskError) and exc.cause is not None and exc.cause is not exc:
         exc = exc.cause  # a worker's own exception, as Ray hands it on
-    return isinstance(exc, (RayActorError, ObjectLostError, EngineDied))
+    return exc
+
+
+def worker_died(exc: BaseException) -> bool:
+    """A call failed because the worker is gone, not because of the request."""
+    return isinstance(_cause(exc), (RayActorError, ObjectLostError, EngineDied))
+
+
+def lost(worker_id: str, exc: BaseException) -> WorkerLost:
+    """The WorkerLost for a worker-death `exc`, saying whether its engine failed a step."""
+    return WorkerLost(worker_id, engine_died=isinstance(_cause(exc), EngineDied))
 
 
 class RayWorker:
@@ -82,7 +91,7 @@ class RayWorker:
             return await call
         except Exception as exc:
             if worker_died(exc):
-                raise WorkerLost(self.worker_id) from exc
+                raise lost(self.worker_id, exc) from exc
             raise
 
     async def health(self) -> WorkerHealth:
@@ -105,7 +114,7 @@ class RayWorker:
                 yield await ref
         except Exception as exc:
             if worker_died(exc):
-                raise WorkerLost(self.worker_id) from exc
+                raise lost(self.worker_id, exc) from exc
             raise
 
     async def push(self, request_id: str, decode_id: str) -> bool:
