@@ -170,6 +170,30 @@ def test_calls_over_max_concurrent_rpcs_are_resource_exhausted_at_once() -> None
         server.close()
 
 
+def test_health_answers_while_detokenize_calls_hold_their_threads(door) -> None:
+    """Detokenize (and Tokenize, templates, a Generate's tokenizing) run off the event loop: with
+    8 calls each blocked in the tokenizer, health still answers at once, well inside its deadline."""
+    server, backend = door
+    release, entered = threading.Event(), threading.Semaphore(0)
+
+    def slow_detokenize(ids):
+        entered.release()
+        release.wait(60)
+        return "x"
+    backend.detokenize = slow_detokenize
+    try:
+        with Client(server.address, max_retries=0, timeout=90) as client, ThreadPoolExecutor(8) as pool:
+            calls = [pool.submit(client.detokenize, [1] * 1000) for _ in range(8)]
+            for _ in range(4):  # at least 4 inside the tokenizer (the loop's executor takes cores + 4 at once)
+                assert entered.acquire(timeout=30)
+            with Client(server.address, max_retries=0, timeout=10) as prober:
+                assert all(prober.health() == "SERVING" for _ in range(20))  # the loop is free
+            release.set()
+            assert all(c.result(timeout=60) == "x" for c in calls)
+    finally:
+        release.set()
+
+
 def test_reflection_needs_a_token_and_health_too_unless_public(monkeypatch) -> None:
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
