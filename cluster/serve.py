@@ -13,6 +13,7 @@ local Ray's GCS or raylet dies it says so, stops everything and exits EXIT_FAILE
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import signal
@@ -154,7 +155,8 @@ def _grpc_port_free(cfg: ClusterConfig) -> None:
         try:
             probe.bind((cfg.host, cfg.grpc_port))
         except OSError as exc:
-            raise UsageError(f"cannot listen for gRPC on {cfg.host}:{cfg.grpc_port}: {exc.strerror or exc}; "
+            why = "the port is in use" if exc.errno == errno.EADDRINUSE else exc.strerror or str(exc)
+            raise UsageError(f"cannot listen for gRPC on {cfg.host}:{cfg.grpc_port}: {why}; "
                              "pick another --grpc-port or --host") from None
 
 
