@@ -17,6 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -404,6 +405,24 @@ def test_a_metrics_only_token_reads_metrics_and_nothing_else() -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_public_health_is_trimmed_and_cached(authed: ApiServer) -> None:
+    calls = []
+    real = authed.backend.health
+
+    async def counted():
+        calls.append(1)
+        return await real()
+    authed.backend.health = counted
+    authed.health_cache.ttl_s = 60.0  # one answer for the whole test
+    status, body, _ = get(f"{authed.url}/health")
+    assert status == 200 and json.loads(body) == {"status": "ok"}  # no workers, queue or index for strangers
+    status, body, _ = get(f"{authed.url}/health", ACME)
+    assert status == 200 and json.loads(body)["waiting"] == 3  # the details for a token holder
+    with ThreadPoolExecutor(8) as pool:
+        assert set(pool.map(lambda _: get(f"{authed.url}/health")[0], range(64))) == {200}
+    assert len(calls) == 1  # 66 probes, one question to the backend
 
 
 def test_private_health_needs_the_token() -> None:

@@ -61,6 +61,25 @@ class TLSSetupError(ValueError):
     """The configured certificate or key cannot be loaded; the message names both files."""
 
 
+HEALTH_CACHE_S = 0.5
+
+
+class HealthCache:
+    """The backend's last health answer, reused for `ttl_s`; one caller refreshes it at a time."""
+
+    def __init__(self, ttl_s: float):
+        self.ttl_s = ttl_s
+        self._lock = threading.Lock()
+        self._at = -float("inf")
+        self._value: tuple[bool, dict] | None = None
+
+    def get(self, fetch) -> tuple[bool, dict]:
+        with self._lock:
+            if self._value is None or time.monotonic() - self._at > self.ttl_s:
+                self._value, self._at = fetch(), time.monotonic()
+            return self._value
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, retry_after: int | None = None,
                  headers: dict[str, str] | None = None):
@@ -120,6 +139,7 @@ class ApiServer(ThreadingHTTPServer):
         self.backend: Backend | None = None
         self.io_timeout_s = IO_TIMEOUT_S
         self.draining = threading.Event()
+        self.health_cache = HealthCache(HEALTH_CACHE_S)
         if frontdoor.tls.enabled:
             try:
                 context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -266,10 +286,16 @@ class Handler(BaseHTTPRequestHandler):
                 "max_model_len": backend.max_model_len}
 
     def _health(self) -> None:
+        """Cached for HEALTH_CACHE_S (a flood of probes asks the router once); with auth on, a
+        caller without a token gets the status alone, not the workers, queue and index details."""
         if self.server.draining.is_set():
             return self._send(503, {"status": "draining"},
                               headers={"Retry-After": str(RETRY_AFTER_S)})
-        ok, details = self.server.bridge.run(self._backend().health())
+        backend = self._backend()
+        ok, details = self.server.health_cache.get(lambda: self.server.bridge.run(backend.health()))
+        auth = self.server.auth
+        if auth.enabled and auth.tenant(self.headers.get("Authorization")) is None:
+            details = {}  # public: trimmed
         self._send(200 if ok else 503, {"status": "ok" if ok else "unavailable", **details},
                    headers=None if ok else {"Retry-After": str(RETRY_AFTER_S)})
 
