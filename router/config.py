@@ -86,3 +86,9 @@ class FrontDoorConfig(_Frozen):
     # gRPC calls served at once (streams included); more are RESOURCE_EXHAUSTED at once, so a
     # flood of slow or idle calls cannot pile up handlers without bound.
     max_concurrent_rpcs: int = Field(1024, ge=1)
+    # HTTP connections open at once; more get 503 at once, with no thread spent on them.
+    max_connections: int = Field(2048, ge=1)
+    # The request line and headers must all arrive within this, and a body at least this fast
+    # (after the same grace): a slow client cannot hold a thread (router/http/guards.py).
+    header_timeout_s: float = Field(10.0, gt=0)
+    min_body_bytes_per_s: float = Field(32768.0, gt=0)

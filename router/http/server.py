@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import select
 import socket
 import ssl
 import threading
@@ -43,6 +42,7 @@ from router.backend import Backend
 from router.config import FrontDoorConfig
 from router.errors import ModelNotFound
 from router.http.bridge import LoopThread
+from router.http.guards import ConnectionCap, Deadlines, readable, refuse
 from router.http.openai_format import ChatShape, Collected, CompletionShape, parse_chat, parse_completion
 from router.metrics import CONTENT_TYPE, FrontDoorMetrics
 
@@ -140,6 +140,7 @@ class ApiServer(ThreadingHTTPServer):
         self.io_timeout_s = IO_TIMEOUT_S
         self.draining = threading.Event()
         self.health_cache = HealthCache(HEALTH_CACHE_S)
+        self.cap, self.deadlines = ConnectionCap(frontdoor.max_connections), Deadlines()
         if frontdoor.tls.enabled:
             try:
                 context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -167,6 +168,24 @@ class ApiServer(ThreadingHTTPServer):
                 return  # not TLS, a bad certificate on the other side, or gone: nothing to answer
         super().finish_request(request, client_address)
 
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        self.deadlines.start()
+        super().serve_forever(poll_interval)
+
+    def process_request(self, request, client_address) -> None:
+        if not self.cap.admit():  # over frontdoor.max_connections: 503 now, no thread for it
+            refuse(request)
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.deadlines.disarm(request)
+            self.cap.release()
+
     @property
     def in_flight(self) -> int:
         return self._in_flight
@@ -182,6 +201,7 @@ class ApiServer(ThreadingHTTPServer):
     def server_close(self) -> None:
         """Stop listening; the backend's loop stops once the requests in flight are answered."""
         super().server_close()
+        self.deadlines.stop()
         with self._idle:
             self._closed = True
             if not self._in_flight:
@@ -209,6 +229,24 @@ class Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         self.timeout = self.server.io_timeout_s  # applied to the connection by super().setup()
         super().setup()
+
+    def handle_one_request(self) -> None:
+        # The request line and every header within header_timeout_s, however slowly they trickle.
+        self.server.deadlines.arm(self.connection, self.server.frontdoor.header_timeout_s)
+        super().handle_one_request()
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        try:
+            length = max(0, int(self.headers.get("Content-Length") or 0)) if ok else 0
+        except ValueError:
+            length = 0  # _body answers 400
+        fd = self.server.frontdoor
+        if length:  # then the body at min_body_bytes_per_s or faster
+            self.server.deadlines.arm(self.connection, fd.header_timeout_s + length / fd.min_body_bytes_per_s)
+        else:
+            self.server.deadlines.disarm(self.connection)
+        return ok
 
     # -- routes ---------------------------------------------------------------------
     def do_GET(self) -> None:
@@ -327,6 +365,8 @@ class Handler(BaseHTTPRequestHandler):
             data = self.rfile.read(length)
         except TimeoutError:
             raise ApiError(408, f"the request body did not arrive within {self.server.io_timeout_s:g} s") from None
+        finally:
+            self.server.deadlines.disarm(self.connection)  # the answer's writes have their own timeout
         if len(data) < length:
             raise ApiError(400, f"request body ended after {len(data)} of {length} bytes (Content-Length)")
         try:
@@ -393,7 +433,7 @@ class Handler(BaseHTTPRequestHandler):
         request, so a readable socket with nothing to read means EOF). Not checked under TLS,
         where peeking is not possible; there a whole answer finishes before the loss shows."""
         conn = self.connection
-        if isinstance(conn, ssl.SSLSocket) or not select.select([conn], [], [], 0)[0]:
+        if isinstance(conn, ssl.SSLSocket) or not readable(conn):
             return False
         try:
             return conn.recv(1, socket.MSG_PEEK) == b""
