@@ -515,6 +515,9 @@ def test_the_cpu_dev_config_serves(tmp_path: Path) -> None:
                 out.append(line)
             base = out[-1].split(" at ")[1].split()[0].removesuffix("/v1")
             with urllib.request.urlopen(f"{base}/health", timeout=30) as resp:  # the readiness probe, no token
+                assert json.loads(resp.read()) == {"status": "ok"}  # trimmed for a caller without one
+            with urllib.request.urlopen(urllib.request.Request(f"{base}/health", headers={
+                    "Authorization": f"Bearer {token}"}), timeout=30) as resp:
                 health = json.loads(resp.read())
             assert health["prefix_index"] == "ok" and health["workers"] == {"prefill": 1, "decode": 1}
             body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0, "ignore_eos": True}).encode()
