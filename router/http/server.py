@@ -132,6 +132,7 @@ class ApiServer(ThreadingHTTPServer):
         self._idle = threading.Condition()
         self._closed = False
         self.bridge = LoopThread()  # where handler threads run the backend's coroutines
+        self.cap, self.deadlines = ConnectionCap(frontdoor.max_connections), Deadlines()  # before a failed bind's close
         super().__init__((host, port), Handler)  # a failed bind closes the server, bridge included
         self.frontdoor = frontdoor
         self.metrics = metrics if metrics is not None else FrontDoorMetrics()
@@ -140,7 +141,6 @@ class ApiServer(ThreadingHTTPServer):
         self.io_timeout_s = IO_TIMEOUT_S
         self.draining = threading.Event()
         self.health_cache = HealthCache(HEALTH_CACHE_S)
-        self.cap, self.deadlines = ConnectionCap(frontdoor.max_connections), Deadlines()
         if frontdoor.tls.enabled:
             try:
                 context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
