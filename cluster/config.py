@@ -93,7 +93,7 @@ class ClusterConfig(_Frozen):
                 raise ValueError(f"engine.{name} is set per worker (cluster.config.worker_config); "
                                  f"remove it from the config: {PER_WORKER_HOW[name]}")
         if self.redis_password_env and self.redis_url is None:
-            raise ValueError("redis_password_env needs redis_url (the embedded redis-server has no password)")
+            raise ValueError("redis_password_env needs redis_url (the embedded redis-server makes its own password)")
         if is_wildcard(self.host):
             raise ValueError("host must be a specific address (e.g. 127.0.0.1 or the pod IP), not a wildcard")
         cache_role = "mixed" if self.mode == "colocated" else "prefill"  # the workers whose tiers would hold KV

@@ -5,19 +5,22 @@ cluster.config.worker_config, and, when the cluster has a prefix index, its cach
 publisher (router.index.publisher) handed in as a factory, so no worker imports the router."""
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from functools import partial
 
+import psutil
 import ray
 
 from cluster.config import ClusterConfig, cpu_budget, worker_config
 from decode_worker.actor import DecodeActor
 from decode_worker.group import Group, start_group, stop_group
 from engine import Role
-from kv_transfer.config import NODE_HOST
+from kv_transfer.config import NODE_HOST, TransferConfig
 from prefill_worker.actor import PrefillActor
 from router.actor import RouterActor
 from router.config import IndexLink
@@ -40,9 +43,38 @@ def start_ray(cfg: ClusterConfig) -> None:
         _keep_ray_on_loopback()
     # Local: Ray's CPU counts are bookkeeping only; each worker sets its own torch threads.
     # Twice the budget leaves room for workers added after start.
-    ray.init(num_cpus=int(2 * max(cpu_budget(cfg), 1)), include_dashboard=False, namespace=NAMESPACE,
-             object_store_memory=OBJECT_STORE_BYTES, _node_ip_address=cfg.host,
-             resources=local_resources(cfg) or None, runtime_env={"env_vars": env})
+    options = dict(num_cpus=int(2 * max(cpu_budget(cfg), 1)), include_dashboard=False, namespace=NAMESPACE,
+                   object_store_memory=OBJECT_STORE_BYTES, _node_ip_address=cfg.host,
+                   resources=local_resources(cfg) or None, runtime_env={"env_vars": env})
+    for attempt in (1, 2):
+        ours = {p.pid for p in psutil.Process().children(recursive=True)}  # redis-server, if embedded
+        try:
+            ray.init(**options)
+            return
+        except Exception as exc:  # noqa: BLE001 - Ray raises plain Exception for a node that timed out
+            if attempt == 2:
+                raise
+            # On a loaded machine Ray's own bootstrap now and then misses a fixed 30 s wait (the
+            # GCS writes no port file, or the raylet registers late): stop what it started, once more.
+            print(f"Ray did not start ({str(exc).splitlines()[0][:200]}); stopping what it started and "
+                  "trying once more", file=sys.stderr, flush=True)
+            _stop_new_processes(ours)
+
+
+def _stop_new_processes(before: set[int], grace_s: float = 5.0) -> None:
+    """ray.shutdown(), then stop every process under this one that was not there `before`
+    (a half-started Ray's daemons and agents)."""
+    with contextlib.suppress(Exception):
+        ray.shutdown()
+    new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    for p in new:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(new, timeout=grace_s)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=grace_s)
 
 
 def local_resources(cfg: ClusterConfig) -> dict[str, float]:
@@ -110,6 +142,10 @@ class Cluster:
     roles: dict[str, str] = field(default_factory=dict)  # worker id -> "prefill" | "decode" | "mixed"
     groups: dict[str, Group] = field(default_factory=dict)  # worker id -> its ranks, for TP/EP workers
     retired: list[str] = field(default_factory=list)  # replaced workers' ids, never reused
+    transfer: TransferConfig | None = None  # cfg.transfer with this cluster's KV join secret
+
+    def __post_init__(self) -> None:
+        self.transfer = (self.transfer or self.cfg.transfer).with_secret()  # one secret for every worker
 
     def add_worker(self, role: str) -> str:
         """Start one more worker and hand it to the router (which pairs it with its peers)."""
@@ -123,7 +159,7 @@ class Cluster:
         def start(engine_cfg, options: dict):
             actor = PrefillActor if role == "prefill" else DecodeActor
             opts = {**options, "name": worker_id, "max_concurrency": 1000}
-            return actor.options(**opts).remote(worker_id, engine_cfg, cfg.transfer, publisher)
+            return actor.options(**opts).remote(worker_id, engine_cfg, self.transfer, publisher)
 
         tp, ep = cfg.parallel.sizes(role)
         custom = cfg.placement.resources(role)  # e.g. only the pods of a KubeRay worker group have them
@@ -134,7 +170,7 @@ class Cluster:
                 # The group's rendezvous is on its own node when transfer.host is "node" (pods), else on --host.
                 rendezvous = NODE_HOST if cfg.transfer.host == NODE_HOST else cfg.host
                 group = start_group(worker_id, start, engine_cfg, tp, ep, {**bundle, **custom}, rendezvous,
-                                    cfg.parallel.timeout_s, receive_kv=cfg.transfer if role == "decode" else None)
+                                    cfg.parallel.timeout_s, receive_kv=self.transfer if role == "decode" else None)
                 handle = group.leader
             else:
                 handle = start(engine_cfg, {**place.options, "resources": custom} if custom else place.options)

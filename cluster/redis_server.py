@@ -1,12 +1,15 @@
 """A private, throwaway `redis-server` for `brigade` runs without `--redis-url`, and for tests.
 
 Redis only holds soft state here (worker leases, the prefix index: hints that rebuild
-themselves), so the embedded server keeps nothing on disk and listens on loopback only.
-A deployment that spans machines passes `--redis-url` to a Redis it runs itself.
+themselves), so the embedded server keeps nothing on disk and listens on loopback only,
+with a random password made at each start unless one is given (any local user could
+otherwise connect to 127.0.0.1 and rewrite the leases and the index). A deployment that spans
+machines passes `--redis-url` to a Redis it runs itself.
 """
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -67,6 +70,7 @@ def _terminate(proc: subprocess.Popen, workdir: str, timeout_s: float) -> None:
 
 class EmbeddedRedis:
     """A redis-server child on 127.0.0.1:<free port>; no persistence; stopped by stop() or `with`.
+    `password`: None makes a random one (in `url`, for this process's clients); "" none at all.
 
     Settings go in a config file in a private (0700) temp dir rather than on the command
     line, so a password never shows in `ps`. A finalizer stops the server even if the
@@ -75,7 +79,7 @@ class EmbeddedRedis:
 
     def __init__(self, password: str | None = None, binary: str | None = None, stop_timeout_s: float = 5.0,
                  port: int = 0):
-        self.password = password
+        self.password = secrets.token_urlsafe(24) if password is None else password
         self.binary = binary or find_redis_server()
         self.stop_timeout_s = stop_timeout_s
         self.port = port  # 0: a free one at each start; else this one (a restart keeps its address)
@@ -87,6 +91,11 @@ class EmbeddedRedis:
     def pid(self) -> int:
         assert self.proc is not None, "not started"
         return self.proc.pid
+
+    @property
+    def shown_url(self) -> str:
+        """`url` with the password masked, for logs."""
+        return f"redis://{':***@' if self.password else ''}127.0.0.1:{self.port}/0"
 
     @property
     def url(self) -> str:

@@ -13,9 +13,11 @@ local Ray's GCS or raylet dies it says so, stops everything and exits EXIT_FAILE
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -24,6 +26,7 @@ import yaml
 
 from cluster.cli import UsageError
 from cluster.config import PER_WORKER, ClusterConfig, redis_url_with_password
+from cluster.ray_auth import check_ray_exposure
 from router.auth import Authenticator, AuthSetupError
 from router.grpc.server import GrpcServer
 from router.http.server import ApiServer, TLSSetupError
@@ -52,6 +55,7 @@ def run(args, cfg: ClusterConfig) -> int:
     try:  # one of each per process, shared by both front doors
         auth = Authenticator.from_config(cfg.frontdoor.auth)
         redis_url = redis_url_with_password(cfg.redis_url, cfg.redis_password_env) if cfg.redis_url else None
+        check_ray_exposure(cfg.host, cfg.ray_address)  # RayAuthOff is a ValueError
     except (AuthSetupError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     if getattr(args, "check", False):
@@ -66,8 +70,8 @@ def run(args, cfg: ClusterConfig) -> int:
     except OSError as exc:
         raise UsageError(f"cannot listen on {cfg.host}:{cfg.http_port}: {exc.strerror or exc}; "
                          "pick another --http-port or --host") from None
-    try:
-        grpc_server = _grpc_server(cfg, metrics, auth)
+    try:  # the gRPC door's threads start only once Ray is up (forking Ray's daemons with gRPC
+        _grpc_port_free(cfg)  # threads alive is what made a local Ray start time out); its port is checked now
     except BaseException:
         server.server_close()
         raise
@@ -78,11 +82,12 @@ def run(args, cfg: ClusterConfig) -> int:
     leftovers = None  # after a fatal failure: the processes to be sure are gone at the end
     try:
         try:
-            services.start(cfg, signals, redis_url)
+            services.start(cfg, signals, redis_url, after_ray=lambda: _grpc_server(cfg, metrics, auth))
         except _Stop as why:
             print(f"{why} during start-up: stopping", file=sys.stderr, flush=True)
             stopping = True
             return 0
+        grpc_server = services.grpc_server
         server.backend = services.backend
         if grpc_server is not None:
             grpc_server.attach(services.backend)
@@ -110,8 +115,8 @@ def run(args, cfg: ClusterConfig) -> int:
         return 0
     finally:
         signals.starting = False  # a signal from here on only sets `stop`
-        if grpc_server is not None:
-            grpc_server.close()
+        if services.grpc_server is not None:
+            services.grpc_server.close()
         server.server_close()
         services.stop()
         if leftovers is not None:
@@ -137,6 +142,22 @@ def _finished(drained, timeout_s: float) -> bool:
     except Exception as exc:  # a drain that failed or hung: stopping goes on regardless
         print(f"gRPC drain: {exc!r}", file=sys.stderr, flush=True)
         return False
+
+
+def _grpc_port_free(cfg: ClusterConfig) -> None:
+    """UsageError now if the gRPC port is taken (or the host is not ours), as the server would
+    say later; binds and lets go at once."""
+    if not cfg.grpc_port:  # none, or 0: any free port
+        return
+    family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's own listener does
+        try:
+            probe.bind((cfg.host, cfg.grpc_port))
+        except OSError as exc:
+            why = "the port is in use" if exc.errno == errno.EADDRINUSE else exc.strerror or str(exc)
+            raise UsageError(f"cannot listen for gRPC on {cfg.host}:{cfg.grpc_port}: {why}; "
+                             "pick another --grpc-port or --host") from None
 
 
 def _grpc_server(cfg: ClusterConfig, metrics: FrontDoorMetrics, auth: Authenticator) -> GrpcServer | None:
@@ -211,8 +232,12 @@ class _Services:
         self.supervisor = None
         self.ray_started = False
         self.backend = None
+        self.grpc_server: GrpcServer | None = None
 
-    def start(self, cfg: ClusterConfig, signals: _Signals, redis_url: str | None) -> None:
+    def start(self, cfg: ClusterConfig, signals: _Signals, redis_url: str | None,
+              after_ray=lambda: None) -> None:
+        """`after_ray()`: the gRPC door, made once Ray is up (its threads must not exist at
+        Ray's forks); it answers "starting" while the workers launch."""
         from cluster.redis_server import EmbeddedRedis, RedisServerError
         from router.index.registry import RegistryError, connect
 
@@ -225,7 +250,7 @@ class _Services:
         try:
             if redis_url is None:
                 self.redis = EmbeddedRedis().start()
-                print(f"redis: embedded redis-server at {self.redis.url}", file=sys.stderr, flush=True)
+                print(f"redis: embedded redis-server at {self.redis.shown_url}", file=sys.stderr, flush=True)
                 redis_url = self.redis.url
             connect(redis_url).close()  # a wrong password or unreachable Redis fails here, saying which
         except (RedisServerError, RegistryError) as exc:
@@ -238,6 +263,7 @@ class _Services:
         with signals.kept_through_ray_init():
             start_ray(cfg)
         signals.check()
+        self.grpc_server = after_ray()
         self.cluster = launch(cfg, redis_url)  # the longest step: a stop signal takes effect after it
         signals.check()
         backend.attach(self.cluster)

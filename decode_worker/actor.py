@@ -32,9 +32,10 @@ class DecodeActor(WorkerActor):
             return self.worker.address
         return [self.worker.address, *await asyncio.gather(*(r.address.remote() for r in self.ranks))]
 
-    async def accept(self) -> str:
-        """Accept the next prefill worker (on every rank of a TP worker); returns its id."""
-        peers = await asyncio.gather(asyncio.to_thread(self.worker.accept), *(r.accept.remote() for r in self.ranks))
+    async def accept(self, expect: str | None = None) -> str:
+        """Accept the next prefill worker, `expect` when given (on every rank of a TP worker); returns its id."""
+        peers = await asyncio.gather(asyncio.to_thread(self.worker.accept, expect),
+                                     *(r.accept.remote(expect) for r in self.ranks))
         if len(set(peers)) != 1:
             raise RuntimeError(f"the ranks of {self.worker.worker_id} accepted different peers: {peers}")
         return peers[0]

@@ -60,9 +60,10 @@ class RankActor:
     def address(self) -> tuple[str, int]:
         return self.server.address
 
-    def accept(self) -> str:
-        """Accept the next prefill worker's pair for this rank's heads; returns its id."""
-        channel = self.server.accept(self.layout, self.shard)
+    def accept(self, expect: str | None = None) -> str:
+        """Accept the next prefill worker's pair for this rank's heads (named `expect` when
+        given); returns its id."""
+        channel = self.server.accept(self.layout, self.shard, expect=expect)
         old = self.channels.pop(channel.peer, None)
         if old is not None:
             old.close()
@@ -79,10 +80,12 @@ class RankActor:
         channel = self.channels.get(peer)
         if channel is None:
             raise KVTransferError(f"{self.worker_id} has no pair with {peer!r}")
-        header, kv = channel.receive()
-        if (header.request_id, header.num_tokens) != (request_id, num_tokens):
-            raise KVTransferError(f"{self.worker_id} expected KV of {request_id!r}, got {header.request_id!r}")
-        return kv
+        header = channel.recv_header()
+        if (header.request_id, header.num_tokens) != (request_id, num_tokens):  # before anything is allocated
+            channel.refuse(header)
+            raise KVTransferError(f"{self.worker_id} expected KV of {request_id!r} ({num_tokens} tokens), got "
+                                  f"{header.request_id!r} ({header.num_tokens})")
+        return channel.recv_payload(header)
 
     def _follow(self) -> None:
         try:

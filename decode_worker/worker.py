@@ -67,6 +67,7 @@ class DecodeWorker(EngineWorker):
         self.buffers = ReceiveBuffers(int(transfer_cfg.recv_buffer_mib * 2**20))  # per channel, capped
         self.reserved: dict[str, list[int]] = {}  # request id -> its reserved blocks
         self.reserved_at: dict[str, float] = {}
+        self.reserved_tokens: dict[str, int] = {}  # what a pulled header must say, before any allocation
         self.pulling: set[str] = set()  # requests whose KV is being written into their blocks
         self.pull_done = threading.Condition()
         self.streams: dict[str, OutputStream] = {}  # requests streaming from here, for cancel()
@@ -77,9 +78,10 @@ class DecodeWorker(EngineWorker):
     def address(self) -> tuple[str, int]:
         return self.server.address
 
-    def accept(self) -> str:
-        """Accept the next prefill worker that connects; returns its id."""
-        channel = self.server.accept(self.layout, self.shard)
+    def accept(self, expect: str | None = None) -> str:
+        """Accept the next prefill worker that connects (with the cluster's secret, and named
+        `expect` when given: the router says whom); returns its id."""
+        channel = self.server.accept(self.layout, self.shard, expect=expect)
         self.locks.setdefault(channel.peer, threading.Lock())
         old = self.channels.pop(channel.peer, None)
         if old is not None:
@@ -110,6 +112,7 @@ class DecodeWorker(EngineWorker):
             try:
                 self.reserved[request_id] = engine.reserve(request_id, num_tokens)
                 self.reserved_at[request_id] = time.monotonic()
+                self.reserved_tokens[request_id] = num_tokens
                 return True
             except NoFreeBlocks:
                 return False
@@ -139,6 +142,11 @@ class DecodeWorker(EngineWorker):
                 if header.request_id != request_id:  # cannot happen while pulls are serialised per channel
                     channel.refuse(header)
                     raise KVTransferError(f"expected KV of {request_id!r}, got {header.request_id!r}")
+                expected = (self.reserved_tokens.get(request_id), len(blocks))
+                if (header.num_tokens, header.num_blocks) != expected:  # refused before any buffer grows
+                    channel.refuse(header)
+                    raise KVTransferError(f"KV of {request_id!r} claims {header.num_tokens} tokens in "
+                                          f"{header.num_blocks} blocks; {expected[0]} in {expected[1]} were reserved")
                 # Written from this thread, not the engine's: reserved blocks belong to no running
                 # sequence until admit(), so the step never touches them, and abort() waits for
                 # us (below) before it can hand them to anyone else.
@@ -180,6 +188,7 @@ class DecodeWorker(EngineWorker):
         def admit(engine: LLMEngine) -> None:
             self.reserved.pop(request_id, None)  # the engine's sequence owns the blocks from here
             self.reserved_at.pop(request_id, None)
+            self.reserved_tokens.pop(request_id, None)
             self.loop.watch_now(request_id, sink)
             try:
                 engine.admit(request_id, prompt_token_ids, first_token_id, params, cached_tokens, first_logprobs,
@@ -199,6 +208,7 @@ class DecodeWorker(EngineWorker):
             self.pull_done.wait_for(lambda: request_id not in self.pulling)
         self.reserved.pop(request_id, None)
         self.reserved_at.pop(request_id, None)
+        self.reserved_tokens.pop(request_id, None)
         return self.loop.abort(request_id).result()
 
     def broken_pairs(self) -> list[str]:

@@ -6,9 +6,12 @@ each request's outputs through a sink callback invoked on the loop thread.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import queue
 import threading
 import traceback
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
@@ -18,11 +21,17 @@ from engine.outputs import RequestOutput
 
 T = TypeVar("T")
 Sink = Callable[[RequestOutput | BaseException], None]
+log = logging.getLogger(__name__)
 
 
 class EngineDied(RuntimeError):
     """The loop stopped on an exception in a step: every request it held failed with this, and
     so does every later call. Callers treat it as a dead worker (the router migrates the request)."""
+
+
+class RequestFailed(RuntimeError):
+    """One request failed in a step (its sampling, stop checks, detokenizing, or its own sink);
+    the engine goes on. The message is safe to show a client: a log id, no internal text."""
 
 
 class EngineLoop:
@@ -89,6 +98,17 @@ class EngineLoop:
         return self.call(abort)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # a bug in the loop itself: its callers must not wait forever
+            self._die(exc)
+        if self.error is not None:  # calls queued before the failure would otherwise wait forever
+            while not self._inbox.empty():
+                _, fut = self._inbox.get_nowait()
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(self._died())
+
+    def _serve(self) -> None:
         while not self._stop.is_set():
             idle = not self.engine.has_unfinished()
             try:
@@ -100,11 +120,6 @@ class EngineLoop:
                 pass
             if self.engine.has_unfinished() or self._fault is not None:
                 self._step()
-        if self.error is not None:  # calls queued before the failure would otherwise wait forever
-            while not self._inbox.empty():
-                _, fut = self._inbox.get_nowait()
-                if fut.set_running_or_notify_cancel():
-                    fut.set_exception(self._died())
 
     def _run_call(self, fn: Callable, fut: Future) -> None:
         if not fut.set_running_or_notify_cancel():
@@ -123,19 +138,36 @@ class EngineLoop:
                 raise fault
             outputs = self.engine.step()
         except Exception as exc:  # fail every in-flight request rather than hang its caller
-            traceback.print_exc()
-            with self._dying:
-                self.error = exc
-            for sink in self._sinks.values():
-                sink(self._died())
-            self._sinks.clear()
-            self._stop.set()
+            self._die(exc)
             return
         for out in outputs:
             done = out.finished or out.kv_ready
             sink = self._sinks.pop(out.request_id, None) if done else self._sinks.get(out.request_id)
             if sink is not None:
-                sink(out)
+                self._deliver(out, sink)
+
+    def _deliver(self, out: RequestOutput, sink: Sink) -> None:
+        """Hand one output to its sink. A sink that raises fails its own request (aborted here,
+        its caller told once more with RequestFailed), never the loop."""
+        try:
+            sink(RequestFailed(out.error) if out.error else out)
+        except Exception as exc:
+            log_id = uuid.uuid4().hex[:12]
+            log.error("the sink of request %s failed (log id %s)", out.request_id, log_id, exc_info=exc)
+            self._sinks.pop(out.request_id, None)
+            self.engine.abort(out.request_id)
+            with contextlib.suppress(Exception):
+                sink(RequestFailed(f"the request failed in its worker; log id {log_id}"))
+
+    def _die(self, exc: BaseException) -> None:
+        traceback.print_exception(exc)
+        with self._dying:
+            self.error = exc
+        sinks, self._sinks = list(self._sinks.values()), {}
+        for sink in sinks:
+            with contextlib.suppress(Exception):  # one broken sink must not keep the others waiting
+                sink(self._died())
+        self._stop.set()
 
     def _died(self) -> EngineDied:
         died = EngineDied(f"engine failed: {self.error!r}")

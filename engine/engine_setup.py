@@ -9,6 +9,7 @@ import torch
 from engine.block_pool import BlockPool
 from engine.cache_events import CacheEventLog
 from engine.config import EngineConfig
+from engine.fingerprint import checkpoint_fingerprint, fingerprinted
 from engine.hicache import TierManager
 from engine.loader import load_model
 from engine.model_config import DTYPES, ModelConfig
@@ -61,6 +62,13 @@ def model_id_for(cfg: EngineConfig, path: Path) -> str:
     return cfg.model_id or (cfg.model if cfg.model in PRESETS or cfg.model in REGISTRY else path.name)
 
 
+def engine_model_id(cfg: EngineConfig, path: Path | None = None) -> str:
+    """What an engine of `cfg` hashes blocks and names its KV with: the name, then the
+    checkpoint's fingerprint (swapped weights under the same name get a new id)."""
+    path = path or resolve_model(cfg.model)
+    return fingerprinted(model_id_for(cfg, path), checkpoint_fingerprint(path))
+
+
 def context_length(max_model_len: int | None, model_cfg: ModelConfig) -> int:
     """Tokens a sequence may hold: the configured limit, capped by the model's positions."""
     return min(max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
@@ -83,7 +91,7 @@ def build_parts(cfg: EngineConfig) -> EngineParts:
     num_blocks = runner.kv_cache.shape[2]
     pool = BlockPool(num_blocks)
     cache = RadixCache(pool, CacheEventLog(cfg.cache.record_events)) if cfg.cache.enable_prefix_cache else None
-    model_id = model_id_for(cfg, path)
+    model_id = engine_model_id(cfg, path)
     scheduler = Scheduler(cfg.scheduler, pool, cache, cfg.cache.block_size, model_id)
     hicache = None
     if cache is not None and cfg.cache.hicache.enabled:

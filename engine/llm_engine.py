@@ -8,6 +8,8 @@ write_kv() + admit() (or import_kv() for all three) and continues them.
 from __future__ import annotations
 
 import itertools
+import logging
+import uuid
 from collections.abc import Sequence as Seq
 
 import torch
@@ -24,6 +26,7 @@ from engine.sequence import Sequence, SequenceStatus
 from engine.tokenizer import IncrementalDetokenizer, prompt_token_ids
 
 Prompt = str | Seq[int]
+log = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -118,9 +121,53 @@ class LLMEngine:
         self.scheduler.after_step(batch)
         if self.hicache is not None:
             self.hicache.after_step()
-        tokens, logprobs = self.sampler(logits, [q.params for q in sampled],
-                                        [q.num_tokens - q.num_prompt_tokens for q in sampled])
-        return ready + [self._append(seq, t, lp) for seq, t, lp in zip(sampled, tokens, logprobs)]
+        outputs = ready
+        for seq, token, lp in zip(sampled, *self._sample(logits, sampled)):
+            if isinstance(token, BaseException):
+                outputs.append(self._fail(seq, token, "sampling"))
+                continue
+            try:
+                outputs.append(self._append(seq, token, lp))
+            except Exception as exc:  # stop checks, detokenizing: this request's own inputs
+                outputs.append(self._fail(seq, exc, "stop checks or detokenizing"))
+        return outputs
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list, list]:
+        """Tokens and logprobs per row of logits (N, V); a row that cannot be sampled gets its
+        exception in place of a token, so only its own request fails."""
+        params, positions = [q.params for q in seqs], [q.num_tokens - q.num_prompt_tokens for q in seqs]
+        try:
+            return self.sampler(logits, params, positions)
+        except Exception:  # which request's parameters broke the batch? each row alone says
+            tokens: list = []
+            logprobs: list = []
+            for i in range(len(seqs)):
+                try:
+                    t, lp = self.sampler(logits[i:i + 1], params[i:i + 1], positions[i:i + 1])
+                except Exception as exc:
+                    t, lp = [exc], [None]
+                tokens.append(t[0])
+                logprobs.append(lp[0])
+            return tokens, logprobs
+
+    def _fail(self, seq: Sequence, exc: BaseException, stage: str) -> RequestOutput:
+        """Finish one request that failed in a step, free its blocks, and log why under an id
+        the client's answer carries (the client never sees the internal text)."""
+        log_id = uuid.uuid4().hex[:12]
+        log.error("request %s failed in %s (log id %s)", seq.request_id, stage, log_id, exc_info=exc)
+        if self.prefilled.pop(seq.request_id, None) is not None:
+            self.pool.release(seq.block_table)
+            seq.block_table = []
+        self.scheduler.remove(seq)
+        if self.hicache is not None:
+            self.hicache.forget(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
+        self.seqs.pop(seq.request_id, None)
+        self.detoks.pop(seq.request_id, None)
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, token_ids=seq.output_token_ids,
+            new_token_ids=[], text="", finished=True, finish_reason="error", usage=self._usage(seq),
+            error=f"the request failed in the engine ({stage}); log id {log_id}")
 
     def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
         seq.token_ids.append(token)
@@ -307,6 +354,11 @@ def check_request(token_ids: list[int], params: SamplingParams, *, vocab_size: i
     if total > max_model_len:
         raise InvalidRequest("max_tokens", f"prompt ({len(token_ids)}) + max_tokens ({params.max_tokens}) "
                                            f"exceeds the context length {max_model_len}")
+    if params.top_k > vocab_size:
+        raise InvalidRequest("top_k", f"must be at most the vocabulary size {vocab_size}, got {params.top_k}")
+    bad = [t for t in params.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise InvalidRequest("stop_token_ids", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
     if params.resumed_tokens >= len(token_ids):
         raise InvalidRequest("resumed_tokens", f"{params.resumed_tokens} resumed tokens leave no prompt of the "
                                                f"{len(token_ids)} tokens")

@@ -32,7 +32,7 @@ def checkpoint_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [path / n for n in names]
+        files = [_inside(path, n) for n in names]
     elif (path / "model.safetensors").is_file():
         files = [path / "model.safetensors"]
     else:
@@ -41,6 +41,17 @@ def checkpoint_files(path: Path) -> list[Path]:
     if missing:
         raise CheckpointError(f"{path}: shard(s) listed in the index are missing: {missing}")
     return files
+
+
+def _inside(path: Path, name: object) -> Path:
+    """A shard named by the index, refused unless it is a plain file name in `path`: a hostile
+    index could otherwise point the loader at any file (`..`, an absolute path). Symlinked
+    shards stay allowed: the Hugging Face cache links every file to its blob store."""
+    if (not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name
+            or Path(name).is_absolute()):
+        raise CheckpointError(f"{path}: the index names the shard {name!r:.80}; only a file name in the "
+                              "model directory is allowed")
+    return path / name
 
 
 def iter_tensors(files: list[Path], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:

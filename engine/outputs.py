@@ -27,11 +27,14 @@ class RequestOutput:
     new_token_ids: list[int]
     text: str
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     usage: Usage
     logprobs: list[TokenLogprobs] | None = None
     new_text: str = ""
     kv_ready: bool = False  # prefill role: first token sampled, KV waiting for export_kv()
+    # Set when this request alone failed in a step (finish_reason "error"): what the client may
+    # read, a log id and no internal text. The engine and the rest of the batch go on.
+    error: str | None = None
 
 
 @dataclass

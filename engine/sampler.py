@@ -58,7 +58,9 @@ class Sampler:
 
 def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Mask tokens outside top-k, the top-p nucleus or below min-p with -inf."""
-    top_k = [p.top_k if p.top_k > 0 else logits.shape[1] for p in params]
+    # Clamped to the vocabulary as well as checked at admission: a top_k past int64 would
+    # overflow the tensor below and fail the whole batch's step.
+    top_k = [min(p.top_k, logits.shape[1]) if p.top_k > 0 else logits.shape[1] for p in params]
     if all(k >= logits.shape[1] for k in top_k) and all(p.top_p >= 1 and p.min_p <= 0 for p in params):
         return logits
     dev = logits.device

@@ -1,23 +1,15 @@
 """Transfer settings: the `transfer` sub-config of the root config."""
 from __future__ import annotations
 
-import ipaddress
+import secrets
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field_validator, model_validator
+
+from engine.hosts import is_wildcard
 
 NODE_HOST = "node"
-
-
-def is_wildcard(host: str) -> bool:
-    """True for any spelling of "every interface" ("", "*", 0.0.0.0, "0", "::", "::0", "[::]", ...)."""
-    h = host.strip().strip("[]")
-    if h in ("", "*"):
-        return True
-    try:
-        return ipaddress.ip_address(h).is_unspecified
-    except ValueError:  # a name; socket.bind also reads "0" as 0.0.0.0
-        return h == "0"
+__all__ = ["NODE_HOST", "TransferConfig", "is_wildcard"]
 
 
 class TransferConfig(BaseModel):
@@ -41,6 +33,10 @@ class TransferConfig(BaseModel):
     recv_buffer_mib: the largest receive buffer a decode worker keeps per channel, reused
       across requests; a bigger payload gets a buffer of its own, freed after the write
       (kv_transfer/recv_buffers.py).
+    auth_key (not a field: no file or flag sets it, no dump prints it): the cluster's secret
+      that authenticates pair joins (kv_transfer.rendezvous). The cluster makes a random one
+      when it starts (`with_secret`) and hands it to its workers with these settings. None:
+      joins carry an HMAC under an empty key, i.e. no authentication (tests and tools only).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -52,13 +48,27 @@ class TransferConfig(BaseModel):
     hold_timeout_s: float = Field(120.0, gt=0.0)
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     recv_buffer_mib: float = Field(256.0, ge=0.0)
+    _auth_key: SecretStr | None = PrivateAttr(None)
 
     @field_validator("host")
     @classmethod
     def _no_wildcard(cls, host: str) -> str:
-        if is_wildcard(host):
+        if host != NODE_HOST and is_wildcard(host):
             raise ValueError(f"host {host!r} would listen on every interface; name one address")
         return host
+
+    @property
+    def auth_key(self) -> SecretStr | None:
+        return self._auth_key
+
+    def with_secret(self, key: str | None = None) -> TransferConfig:
+        """These settings with `key` (default: a fresh random one) as the auth_key, unless one
+        is set already."""
+        if self._auth_key is not None:
+            return self
+        out = self.model_copy()
+        out._auth_key = SecretStr(key or secrets.token_hex(32))
+        return out
 
     def on_node(self, node_ip: str) -> TransferConfig:
         """These settings for a worker on the machine at `node_ip`: host "node" becomes it."""

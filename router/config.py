@@ -55,6 +55,9 @@ class AuthConfig(_Frozen):
     token_file: str | None = None  # one token per line: TOKEN or TENANT TOKEN
     token_env: str | None = None  # the name of an env var holding TOKEN[,TOKEN...]
     public_health: bool = True  # health checks (probes) need no token
+    # The name of an env var holding TOKEN[,TOKEN...] good for GET /metrics only (a scraper's),
+    # refused everywhere else. Unset or empty: none. Needs token_file or token_env.
+    metrics_token_env: str | None = None
 
 
 class TLSConfig(_Frozen):
@@ -78,3 +81,12 @@ class FrontDoorConfig(_Frozen):
     auth: AuthConfig = AuthConfig()
     tls: TLSConfig = TLSConfig()
     max_message_bytes: int = Field(4 << 20, ge=1024)  # larger requests: RESOURCE_EXHAUSTED / 413
+    # gRPC calls served at once (streams included); more are RESOURCE_EXHAUSTED at once, so a
+    # flood of slow or idle calls cannot pile up handlers without bound.
+    max_concurrent_rpcs: int = Field(1024, ge=1)
+    # HTTP connections open at once; more get 503 at once, with no thread spent on them.
+    max_connections: int = Field(2048, ge=1)
+    # The request line and headers must all arrive within this, and a body at least this fast
+    # (after the same grace): a slow client cannot hold a thread (router/http/guards.py).
+    header_timeout_s: float = Field(10.0, gt=0)
+    min_body_bytes_per_s: float = Field(32768.0, gt=0)

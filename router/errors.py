@@ -3,15 +3,23 @@
 Every door looks an exception up in `ERRORS` (its class or the nearest base listed): the
 HTTP status, the gRPC status code (by name: the grpc package stays at the gRPC door), the
 metrics outcome, and whether a retry may succeed (429/503 get Retry-After, gRPC a trailing
-retry-after-ms). Anything not listed is a bug: 500 / INTERNAL / "error".
+retry-after-ms). Anything not listed is a bug: 500 / INTERNAL / "error", answered with
+`internal_message` (a log id; the text, which may name paths or Ray's internals, goes to the
+log only). A RequestFailed (one request failed in a worker's engine) is a 500 too, whose own
+message is already safe: it names the stage and a log id.
 """
 from __future__ import annotations
 
+import logging
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from engine.engine_loop import RequestFailed
 from engine.messages import Aborted
 from engine.sampling import InvalidRequest
+
+log = logging.getLogger(__name__)
 
 
 class Overloaded(RuntimeError):
@@ -39,9 +47,15 @@ class WorkerLost(Exception):
     migrates. Raised by the WorkerClient (which knows what a dead worker looks like) and by
     dispatch; never leaves the router."""
 
-    def __init__(self, worker_id: str):
+    def __init__(self, worker_id: str, engine_died: bool = False):
         super().__init__(worker_id)
         self.worker_id = worker_id
+        self.engine_died = engine_died  # its engine failed a step (not the process or node lost)
+
+
+class PoisonRequest(RuntimeError):
+    """A request was in the batch of two engine deaths in a row: likely what kills engines, so
+    it is failed for good rather than migrated onto a third (not retriable)."""
 
 
 class ModelNotFound(LookupError):
@@ -68,8 +82,23 @@ ERRORS: dict[type[BaseException], Answer] = {
     StreamBroken: Answer(503, "UNAVAILABLE", "unavailable", retry=True),
     NoWorker: Answer(503, "UNAVAILABLE", "unavailable", retry=True),
     Aborted: Answer(500, "ABORTED", "cancelled"),
+    RequestFailed: Answer(500, "INTERNAL", "error"),
+    PoisonRequest: Answer(500, "INTERNAL", "error"),
 }
 INTERNAL = Answer(500, "INTERNAL", "error")
+
+
+def internal_message(exc: BaseException) -> str:
+    """What a client reads for a bug: a log id under which the exception is logged here."""
+    log_id = uuid.uuid4().hex[:12]
+    log.error("internal error (log id %s)", log_id, exc_info=exc)
+    return f"internal error; the server logged it under id {log_id}"
+
+
+def safe_text(exc: BaseException) -> str:
+    """A listed exception's own message, without the traceback a Ray task error wraps it in."""
+    cause = getattr(exc, "cause", None)
+    return str(cause if isinstance(cause, BaseException) else exc)
 
 
 def answer(exc: BaseException) -> Answer:

@@ -104,7 +104,8 @@ class WorkerPool:
     # -- pairing ------------------------------------------------------------------------
     async def _pair(self, prefill: WorkerRef, decode: WorkerRef) -> None:
         address = await decode.client.address()
-        accepted, _ = await asyncio.gather(decode.client.accept(), prefill.client.connect(decode.worker_id, address))
+        accepted, _ = await asyncio.gather(decode.client.accept(prefill.worker_id),
+                                           prefill.client.connect(decode.worker_id, address))
         if accepted != prefill.worker_id:
             raise RuntimeError(f"{decode.worker_id} accepted {accepted!r} while pairing {prefill.worker_id!r}")
         prefill.peers.add(decode.worker_id)
@@ -143,10 +144,19 @@ class WorkerPool:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.health_interval_s)
-            checks = [self._check(w) for w in list(self.workers.values())]
-            await asyncio.gather(*checks, *([self.index.refresh()] if self.index is not None else []))
-            if not self.colocated and (self._repair is None or self._repair.done()):
-                self._repair = asyncio.get_running_loop().create_task(self._pair_missing())
+            try:
+                await self._health_round()
+            except Exception:  # whatever broke this round, the next one must still eject dead workers
+                log.exception("health check round failed; the next runs in %s s", self.cfg.health_interval_s)
+
+    async def _health_round(self) -> None:
+        checks = [self._check(w) for w in list(self.workers.values())]
+        results = await asyncio.gather(*checks, *([self.index.refresh()] if self.index is not None else []),
+                                       return_exceptions=True)  # one failing part never skips the others
+        for exc in (r for r in results if isinstance(r, BaseException)):
+            log.error("health check part failed: %r", exc, exc_info=exc)
+        if not self.colocated and (self._repair is None or self._repair.done()):
+            self._repair = asyncio.get_running_loop().create_task(self._pair_missing())
 
     async def _check(self, worker: WorkerRef) -> None:
         try:

@@ -16,6 +16,7 @@ from engine.sampling import InvalidRequest, SamplingParams
 SAMPLING_FIELDS: dict[str, str] = {
     "max_tokens": "int", "temperature": "number", "top_p": "number", "top_k": "int",
     "min_p": "number", "seed": "int", "stop": "strings", "ignore_eos": "bool",
+    "stop_token_ids": "ints",
     "logprobs": "int",  # top-n per token; the chat API's `logprobs: true, top_logprobs: n` maps onto it
 }
 
@@ -26,16 +27,18 @@ def _convert(name: str, value: Any) -> Any:
     if kind == "int" and is_int:
         return value
     if kind == "number" and (is_int or isinstance(value, float)):
-        return float(value)
+        return value  # SamplingParams makes it a float (an int too large for one is refused there)
     if kind == "bool" and isinstance(value, bool):
         return value
+    if kind == "ints" and isinstance(value, list):
+        return tuple(value)  # SamplingParams checks each id
     if kind == "strings":
         if isinstance(value, str):
             return (value,)
         if isinstance(value, list) and all(isinstance(s, str) for s in value):
             return tuple(value)
         raise InvalidRequest(name, f"must be a string or a list of strings, got {value!r}")
-    expected = {"int": "an integer", "number": "a number", "bool": "true or false"}[kind]
+    expected = {"int": "an integer", "number": "a number", "bool": "true or false", "ints": "a list of integers"}[kind]
     raise InvalidRequest(name, f"must be {expected}, got {value!r}")
 
 

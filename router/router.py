@@ -5,7 +5,9 @@ its pairing and health loop (router/pool.py), the routing policy (router/policy.
 attempt on its workers (router/dispatch.py), the prefix index (router/index/). Workers are
 WorkerClients (router/workers.py); the router knows no Ray. A request whose worker dies
 continues on another from the tokens already sent (router/migration.py), at most
-RouterConfig.max_migrations times.
+RouterConfig.max_migrations times; a request whose engine died under it twice (it was in the
+batch of both failed steps) is failed for good with PoisonRequest instead, so one request
+that kills engines cannot take down one worker after another.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from engine.outputs import Usage
 from router.admission import Admission
 from router.config import RouterConfig
 from router.dispatch import Attempt, Dispatch, abort_chunk
-from router.errors import NoWorker, StreamBroken, WorkerLost
+from router.errors import NoWorker, PoisonRequest, StreamBroken, WorkerLost
 from router.index.view import IndexView
 from router.migration import continuation
 from router.policy import Picker
@@ -82,6 +84,7 @@ class Router:
         sent: list[int] = []
         chars = 0  # characters of text sent (a continuation resumes its text after them)
         avoid: set[str] = set()  # workers that failed this request
+        engine_deaths: list[str] = []  # workers whose engine died with this request in its batch
         attempt = req
         while True:
             try:
@@ -100,6 +103,14 @@ class Router:
                     yield abort_chunk(req.request_id), None, None
                     return
                 avoid.add(lost.worker_id)
+                if lost.engine_died:
+                    engine_deaths.append(lost.worker_id)
+                if len(engine_deaths) >= 2:  # migrated once already after an engine death: do not feed a third
+                    log.error("request %s was in the batch of two engine deaths (%s): failing it for good",
+                              req.request_id, ", ".join(engine_deaths))
+                    raise PoisonRequest(f"request {req.request_id} was in the batch of two engine failures in a "
+                                        f"row ({', '.join(engine_deaths)}) after {len(sent)} tokens: it is not tried "
+                                        "again; check its parameters, or report it with the server's logs") from None
                 if timing.migrations >= self.cfg.max_migrations:
                     raise StreamBroken(len(sent), f"worker {lost.worker_id} died after {len(sent)} tokens were "
                                                   f"sent and the request already moved {timing.migrations} times "

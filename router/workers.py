@@ -48,8 +48,9 @@ class WorkerClient(Protocol):
     async def address(self) -> Address:
         """Decode: where a prefill worker connects (one per rank of a TP worker)."""
 
-    async def accept(self) -> str:
-        """Decode: accept the next prefill worker that connects; its id."""
+    async def accept(self, expect: str | None = None) -> str:
+        """Decode: accept the next prefill worker that connects (only `expect`, when given: a
+        join under another name is refused, kv_transfer.rendezvous); its id."""
 
     async def connect(self, decode_id: str, address: Address) -> None:
         """Prefill: open the KV pair with a decode worker (blocks until it accepts)."""
@@ -61,14 +62,25 @@ class WorkerClient(Protocol):
         """The engine's counters, for operators and benchmarks."""
 
 
-def worker_died(exc: BaseException) -> bool:
-    """A call failed because the worker is gone, not because of the request."""
+def _cause(exc: BaseException) -> BaseException:
     # Imported here, not above: the router's own modules (and their unit tests) load no Ray.
-    from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
+    from ray.exceptions import RayTaskError
 
     while isinstance(exc, RayTaskError) and exc.cause is not None and exc.cause is not exc:
         exc = exc.cause  # a worker's own exception, as Ray hands it on
-    return isinstance(exc, (RayActorError, ObjectLostError, EngineDied))
+    return exc
+
+
+def worker_died(exc: BaseException) -> bool:
+    """A call failed because the worker is gone, not because of the request."""
+    from ray.exceptions import ObjectLostError, RayActorError
+
+    return isinstance(_cause(exc), (RayActorError, ObjectLostError, EngineDied))
+
+
+def lost(worker_id: str, exc: BaseException) -> WorkerLost:
+    """The WorkerLost for a worker-death `exc`, saying whether its engine failed a step."""
+    return WorkerLost(worker_id, engine_died=isinstance(_cause(exc), EngineDied))
 
 
 class RayWorker:
@@ -82,7 +94,7 @@ class RayWorker:
             return await call
         except Exception as exc:
             if worker_died(exc):
-                raise WorkerLost(self.worker_id) from exc
+                raise lost(self.worker_id, exc) from exc
             raise
 
     async def health(self) -> WorkerHealth:
@@ -105,7 +117,7 @@ class RayWorker:
                 yield await ref
         except Exception as exc:
             if worker_died(exc):
-                raise WorkerLost(self.worker_id) from exc
+                raise lost(self.worker_id, exc) from exc
             raise
 
     async def push(self, request_id: str, decode_id: str) -> bool:
@@ -117,8 +129,8 @@ class RayWorker:
     async def address(self) -> Address:
         return await self._call(self.handle.address.remote())
 
-    async def accept(self) -> str:
-        return await self._call(self.handle.accept.remote())
+    async def accept(self, expect: str | None = None) -> str:
+        return await self._call(self.handle.accept.remote(expect))
 
     async def connect(self, decode_id: str, address: Address) -> None:
         await self._call(self.handle.connect.remote(decode_id, address))

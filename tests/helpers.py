@@ -5,6 +5,7 @@ Model sizes stay tiny (hidden 64, 2 layers, vocab 512) so the suite runs on two 
 """
 from __future__ import annotations
 
+import functools
 import random
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,14 @@ def assert_pool_clean(engine: LLMEngine) -> None:
     assert engine.pool.num_referenced == 0
     assert engine.pool.num_free == engine.pool.num_blocks
     assert not engine.has_unfinished()
+
+
+@functools.cache
+def tiny_model_id() -> str:
+    """The model id engines of the `tiny` preset hash blocks with ("tiny@<fingerprint>")."""
+    from engine.engine_setup import engine_model_id
+
+    return engine_model_id(EngineConfig(model="tiny"))
 
 
 # -- model-free scheduler builders -------------------------------------------------------------

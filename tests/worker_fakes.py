@@ -21,6 +21,7 @@ class FakeWorker:
         self.requests: list[GenerateRequest] = []
         self.aborted: list[str] = []
         self.peers: list[str] = []  # the decode workers a prefill fake connected to
+        self.expected: list[str | None] = []  # accept(expect=...) as the pool called it
         self._queue: asyncio.Queue | None = None
 
     async def health(self) -> WorkerHealth:
@@ -46,7 +47,8 @@ class FakeWorker:
     async def address(self):
         return self  # a fake's address is the fake: connect() knocks on it directly
 
-    async def accept(self) -> str:
+    async def accept(self, expect: str | None = None) -> str:
+        self.expected.append(expect)  # whom the pool said to expect (the real one refuses others)
         return await self._callers().get()
 
     async def connect(self, decode_id: str, address) -> None:

@@ -10,9 +10,11 @@ One file per block, named `<hash hex>.kv`:
     payload                                 the block's KV, raw, C order (2, L, bs, Hkv, hd)
     checksum                                16 bytes: xxh3_128 of everything before it
 
-Files are written to a temp name, fsynced and renamed, so a reader sees a whole file or
-none. A file that is truncated, fails its checksum, belongs to another model or layout,
-or has another format version is a miss: it is moved to `quarantine/` (the newest
+Files are written to a temp name (created exclusively, never through a symlink), fsynced
+and renamed, and the directory is fsynced after the rename, so a reader sees a whole file or
+none, also after a power loss; reads never follow a symlink either (something planted in the
+directory is not ours, and is quarantined). A file that is truncated, fails its checksum,
+belongs to another model or layout, or has another format version is a miss: it is moved to `quarantine/` (the newest
 QUARANTINE_KEEP are kept), logged and counted, never decoded. A full disk (ENOSPC) stops writes; reads go on.
 
 Thread-safe: the tier manager's I/O thread writes and reads while the engine thread looks
@@ -115,11 +117,15 @@ class DiskStore:
             self._dir_lock.close()
             raise ValueError(f"hicache disk_dir {self.dir} is in use by another engine; "
                              "give each engine its own directory") from None
+        self._dir_fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
         self._reindex()
 
     def close(self) -> None:
         """Release the directory (also done when the store is collected or the process dies)."""
         self._dir_lock.close()
+        if self._dir_fd >= 0:
+            os.close(self._dir_fd)
+            self._dir_fd = -1
 
     # -- lookups ---------------------------------------------------------------------
     def __contains__(self, h: bytes) -> bool:
@@ -144,7 +150,7 @@ class DiskStore:
             self.index.move_to_end(h)
         path = self._path(h)
         try:
-            data = path.read_bytes()
+            data = _read_file(path)
         except FileNotFoundError:  # evicted meanwhile
             self._drop(h)
             return None
@@ -196,15 +202,14 @@ class DiskStore:
         path = self._path(h)
         tmp = self.dir / f"{_TMP}{h.hex()}-{os.getpid()}-{threading.get_ident()}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
+                _write_all(fd, data)
                 os.fsync(fd)
             finally:
                 os.close(fd)
             os.replace(tmp, path)
+            os.fsync(self._dir_fd)  # the rename itself is durable only once the directory is
         except OSError as e:
             _unlink(tmp)
             with self._lock:
@@ -253,7 +258,9 @@ class DiskStore:
         a killed writer left; quarantine files that are not ours or not whole."""
         found: list[tuple[float, bytes, int]] = []
         for entry in os.scandir(self.dir):
-            if not entry.is_file():
+            if not entry.is_file(follow_symlinks=False):
+                if entry.is_symlink():
+                    self._quarantine(b"", "a symlink, not a block file of ours", Path(entry.path))
                 continue
             if entry.name.startswith(_TMP):
                 _unlink(Path(entry.path))
@@ -264,7 +271,7 @@ class DiskStore:
             try:
                 h = bytes.fromhex(entry.name[: -len(_SUFFIX)])
                 st = entry.stat()
-                with open(path, "rb") as f:
+                with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
                     prefix = f.read(_PREFIX.size)
                     hlen = _PREFIX.unpack_from(prefix)[2] if len(prefix) == _PREFIX.size else 0
                     size = _check_header(prefix, f.read(hlen), h, self.model_id, self.layout)
@@ -281,6 +288,18 @@ class DiskStore:
             old, size = self.index.popitem(last=False)
             self.used_bytes -= size
             _unlink(self._path(old))
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _read_file(path: Path) -> bytes:
+    """The whole file, never through a symlink (ELOOP, an OSError, if it is one)."""
+    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+        return f.read()
 
 
 def _unlink(path: Path) -> None:

@@ -24,6 +24,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from engine.hosts import listen_socket
 from engine.parallel.config import ParallelConfig
 
 # TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (CleanUpOnly): on a timeout or an error the watchdog
@@ -42,8 +43,14 @@ def make_store(cfg: ParallelConfig) -> dist.Store:
         store = dist.FileStore(url.path, cfg.world_size)
         store.set_timeout(timeout)
         return store
-    return dist.TCPStore(url.hostname or "127.0.0.1", url.port or 29510, cfg.world_size,
-                         is_master=cfg.rank == 0, timeout=timeout, wait_for_workers=False)
+    host, port = url.hostname or "127.0.0.1", url.port or 29510
+    if cfg.rank != 0:
+        return dist.TCPStore(host, port, cfg.world_size, is_master=False, timeout=timeout)
+    # TCPStore's own socket listens on every interface: bind the rendezvous host alone and
+    # hand the store that descriptor.
+    sock = listen_socket(host, [port])
+    return dist.TCPStore(host, port, cfg.world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=sock.detach())
 
 
 class Group:

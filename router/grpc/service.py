@@ -68,11 +68,10 @@ def refusal(exc: Exception) -> Refused:
         return exc
     row = errors.answer(exc)
     if row is errors.INTERNAL:
-        log.exception("gRPC request failed")
-        return Refused(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}", "error")
+        return Refused(grpc.StatusCode.INTERNAL, errors.internal_message(exc), "error")
     field = exc.field if isinstance(exc, InvalidRequest) else "model" if isinstance(exc, ModelNotFound) else None
     tokens_sent = exc.tokens_sent if isinstance(exc, StreamBroken) else None  # the client knows how far it got
-    return Refused(grpc.StatusCode[row.grpc_code], str(exc), row.outcome, field, row.retry, tokens_sent)
+    return Refused(grpc.StatusCode[row.grpc_code], errors.safe_text(exc), row.outcome, field, row.retry, tokens_sent)
 
 
 class DoorState:
@@ -109,7 +108,7 @@ class BrigadeService:
     async def generate(self, data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
         run = _Run(self.state)
         try:
-            req, reply_id, with_logprobs = self._generate_request(data, context)
+            req, reply_id, with_logprobs = await self._generate_request(data, context)
             async with contextlib.aclosing(self.state.backend.generate(req)) as chunks:
                 async for chunk in chunks:
                     run.seen(chunk)
@@ -128,7 +127,7 @@ class BrigadeService:
     async def generate_unary(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         run, got = _Run(self.state), []
         try:
-            req, reply_id, with_logprobs = self._generate_request(data, context)
+            req, reply_id, with_logprobs = await self._generate_request(data, context)
             async with contextlib.aclosing(self.state.backend.generate(req)) as chunks:
                 async for chunk in chunks:
                     run.seen(chunk)
@@ -145,9 +144,14 @@ class BrigadeService:
             await _abort(context, run.refused)
         return msgs.response_message(got, reply_id, with_logprobs)
 
-    def _generate_request(self, data: bytes, context) -> tuple[GenerateRequest, str, bool]:
-        """The router's request (tokenized, checked), the id replies carry, whether to send logprobs."""
+    async def _generate_request(self, data: bytes, context) -> tuple[GenerateRequest, str, bool]:
+        """The router's request (tokenized, checked), the id replies carry, whether to send logprobs.
+        Parsing, the chat template and the tokenizer run on a worker thread: a long prompt never
+        holds the event loop that also answers health checks."""
         tenant = self._admit(context)
+        return await asyncio.to_thread(self._build_request, data, tenant)
+
+    def _build_request(self, data: bytes, tenant: str) -> tuple[GenerateRequest, str, bool]:
         msg = _parse(pb.GenerateRequest, data)
         backend = self.state.backend
         if msg.model and msg.model != backend.model_name:
@@ -187,10 +191,11 @@ class BrigadeService:
         return await self._simple(context, work)
 
     async def _simple(self, context, work):
-        """Admit the caller, then answer `work()` (quick, in-process: tokenizer and config only)."""
+        """Admit the caller, then answer `work()` on a worker thread (the tokenizer, a template or a
+        long Detokenize must not hold the event loop that answers health checks)."""
         try:
             self._admit(context)
-            return work()
+            return await asyncio.to_thread(work)
         except Exception as exc:
             refused = refusal(exc)
         await _abort(context, refused)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import select
 import socket
 import ssl
 import threading
@@ -43,6 +42,7 @@ from router.backend import Backend
 from router.config import FrontDoorConfig
 from router.errors import ModelNotFound
 from router.http.bridge import LoopThread
+from router.http.guards import ConnectionCap, Deadlines, readable, refuse
 from router.http.openai_format import ChatShape, Collected, CompletionShape, parse_chat, parse_completion
 from router.metrics import CONTENT_TYPE, FrontDoorMetrics
 
@@ -59,6 +59,25 @@ ROUTES = {"/v1/completions": (parse_completion, CompletionShape),
 
 class TLSSetupError(ValueError):
     """The configured certificate or key cannot be loaded; the message names both files."""
+
+
+HEALTH_CACHE_S = 0.5
+
+
+class HealthCache:
+    """The backend's last health answer, reused for `ttl_s`; one caller refreshes it at a time."""
+
+    def __init__(self, ttl_s: float):
+        self.ttl_s = ttl_s
+        self._lock = threading.Lock()
+        self._at = -float("inf")
+        self._value: tuple[bool, dict] | None = None
+
+    def get(self, fetch) -> tuple[bool, dict]:
+        with self._lock:
+            if self._value is None or time.monotonic() - self._at > self.ttl_s:
+                self._value, self._at = fetch(), time.monotonic()
+            return self._value
 
 
 class ApiError(Exception):
@@ -78,9 +97,9 @@ def api_error(exc: BaseException) -> ApiError:
         return exc
     row = errors.answer(exc)
     if row is errors.INTERNAL:
-        return ApiError(500, f"internal error: {exc}")
+        return ApiError(500, errors.internal_message(exc))
     param = exc.field if isinstance(exc, InvalidRequest) else "model" if isinstance(exc, ModelNotFound) else None
-    error = ApiError(row.http_status, str(exc), param, retry_after=RETRY_AFTER_S if row.retry else None)
+    error = ApiError(row.http_status, errors.safe_text(exc), param, retry_after=RETRY_AFTER_S if row.retry else None)
     error.outcome = row.outcome
     return error
 
@@ -113,6 +132,7 @@ class ApiServer(ThreadingHTTPServer):
         self._idle = threading.Condition()
         self._closed = False
         self.bridge = LoopThread()  # where handler threads run the backend's coroutines
+        self.cap, self.deadlines = ConnectionCap(frontdoor.max_connections), Deadlines()  # before a failed bind's close
         super().__init__((host, port), Handler)  # a failed bind closes the server, bridge included
         self.frontdoor = frontdoor
         self.metrics = metrics if metrics is not None else FrontDoorMetrics()
@@ -120,6 +140,7 @@ class ApiServer(ThreadingHTTPServer):
         self.backend: Backend | None = None
         self.io_timeout_s = IO_TIMEOUT_S
         self.draining = threading.Event()
+        self.health_cache = HealthCache(HEALTH_CACHE_S)
         if frontdoor.tls.enabled:
             try:
                 context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -147,6 +168,24 @@ class ApiServer(ThreadingHTTPServer):
                 return  # not TLS, a bad certificate on the other side, or gone: nothing to answer
         super().finish_request(request, client_address)
 
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        self.deadlines.start()
+        super().serve_forever(poll_interval)
+
+    def process_request(self, request, client_address) -> None:
+        if not self.cap.admit():  # over frontdoor.max_connections: 503 now, no thread for it
+            refuse(request)
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.deadlines.disarm(request)
+            self.cap.release()
+
     @property
     def in_flight(self) -> int:
         return self._in_flight
@@ -162,6 +201,7 @@ class ApiServer(ThreadingHTTPServer):
     def server_close(self) -> None:
         """Stop listening; the backend's loop stops once the requests in flight are answered."""
         super().server_close()
+        self.deadlines.stop()
         with self._idle:
             self._closed = True
             if not self._in_flight:
@@ -190,6 +230,24 @@ class Handler(BaseHTTPRequestHandler):
         self.timeout = self.server.io_timeout_s  # applied to the connection by super().setup()
         super().setup()
 
+    def handle_one_request(self) -> None:
+        # The request line and every header within header_timeout_s, however slowly they trickle.
+        self.server.deadlines.arm(self.connection, self.server.frontdoor.header_timeout_s)
+        super().handle_one_request()
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        try:
+            length = max(0, int(self.headers.get("Content-Length") or 0)) if ok else 0
+        except ValueError:
+            length = 0  # _body answers 400
+        fd = self.server.frontdoor
+        if length:  # then the body at min_body_bytes_per_s or faster
+            self.server.deadlines.arm(self.connection, fd.header_timeout_s + length / fd.min_body_bytes_per_s)
+        else:
+            self.server.deadlines.disarm(self.connection)
+        return ok
+
     # -- routes ---------------------------------------------------------------------
     def do_GET(self) -> None:
         path = urlsplit(self.path).path
@@ -198,10 +256,12 @@ class Handler(BaseHTTPRequestHandler):
                 if not self.server.frontdoor.auth.public_health:
                     self._authorize()
                 return self._health()
+            if path == "/metrics":  # a scraper's metrics-only token is good here, and only here
+                if not self.server.auth.may_scrape(self.headers.get("Authorization")):
+                    self._authorize()  # the 401
+                return self._metrics()
             self._authorize()
-            if path == "/metrics":
-                self._metrics()
-            elif path == "/v1/models":
+            if path == "/v1/models":
                 self._send(200, {"object": "list", "data": [self._model()]})
             elif path.startswith("/v1/models/"):
                 name = path.removeprefix("/v1/models/")
@@ -264,10 +324,16 @@ class Handler(BaseHTTPRequestHandler):
                 "max_model_len": backend.max_model_len}
 
     def _health(self) -> None:
+        """Cached for HEALTH_CACHE_S (a flood of probes asks the router once); with auth on, a
+        caller without a token gets the status alone, not the workers, queue and index details."""
         if self.server.draining.is_set():
             return self._send(503, {"status": "draining"},
                               headers={"Retry-After": str(RETRY_AFTER_S)})
-        ok, details = self.server.bridge.run(self._backend().health())
+        backend = self._backend()
+        ok, details = self.server.health_cache.get(lambda: self.server.bridge.run(backend.health()))
+        auth = self.server.auth
+        if auth.enabled and auth.tenant(self.headers.get("Authorization")) is None:
+            details = {}  # public: trimmed
         self._send(200 if ok else 503, {"status": "ok" if ok else "unavailable", **details},
                    headers=None if ok else {"Retry-After": str(RETRY_AFTER_S)})
 
@@ -299,12 +365,14 @@ class Handler(BaseHTTPRequestHandler):
             data = self.rfile.read(length)
         except TimeoutError:
             raise ApiError(408, f"the request body did not arrive within {self.server.io_timeout_s:g} s") from None
+        finally:
+            self.server.deadlines.disarm(self.connection)  # the answer's writes have their own timeout
         if len(data) < length:
             raise ApiError(400, f"request body ended after {len(data)} of {length} bytes (Content-Length)")
         try:
             body = json.loads(data or b"null")
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+        except (ValueError, UnicodeDecodeError, RecursionError, OverflowError) as exc:  # too deep, too big
+            raise ApiError(400, f"request body is not valid JSON: {type(exc).__name__}: {exc}"[:200]) from None
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
         return body
@@ -365,7 +433,7 @@ class Handler(BaseHTTPRequestHandler):
         request, so a readable socket with nothing to read means EOF). Not checked under TLS,
         where peeking is not possible; there a whole answer finishes before the loss shows."""
         conn = self.connection
-        if isinstance(conn, ssl.SSLSocket) or not select.select([conn], [], [], 0)[0]:
+        if isinstance(conn, ssl.SSLSocket) or not readable(conn):
             return False
         try:
             return conn.recv(1, socket.MSG_PEEK) == b""

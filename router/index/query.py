@@ -37,7 +37,9 @@ for b = 1, #KEYS do
   if #active == 0 then break end
   local fields = {}
   for j = 1, #active do fields[j] = ids[active[j]] end
-  local values = redis.call('HMGET', KEYS[b], unpack(fields))
+  -- pcall: a key that is not a hash (anyone may write here) ends the chain, not the query.
+  local values = redis.pcall('HMGET', KEYS[b], unpack(fields))
+  if type(values) ~= 'table' or values.err then values = {} end
   local still = {}
   for j = 1, #active do
     local w, v = active[j], tonumber(values[j])

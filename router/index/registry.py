@@ -124,8 +124,14 @@ class WorkerRegistry:
         for wid, h in zip(ids, hashes):
             if not h:
                 self.deregister(wid, epoch=0)  # epochs start at 1: this only prunes an id whose lease is gone
-            elif role is None or h["role"] == role:
-                out.append(WorkerInfo(wid, h["role"], int(h["epoch"]), float(h["started_at"]), json.loads(h["info"])))
+                continue
+            try:  # anyone with access to Redis may have written it: a bad lease is skipped, never fatal
+                info = WorkerInfo(wid, str(h["role"]), int(h["epoch"]), float(h["started_at"]), json.loads(h["info"]))
+            except (KeyError, ValueError, TypeError) as exc:
+                log.warning("skipped the malformed worker lease %.80r: %s: %.80s", wid, type(exc).__name__, exc)
+                continue
+            if role is None or info.role == role:
+                out.append(info)
         return out
 
 

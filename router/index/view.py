@@ -90,6 +90,9 @@ class IndexView:
         except redis.RedisError as exc:
             self._down(exc)
             return
+        except Exception:  # not Redis being down: a bug, or data we did not foresee; keep the last view
+            log.exception("prefix index: reading the leases failed; keeping the last view")
+            return
         if not self.available and self.error != "not checked yet":
             log.warning("prefix index: Redis reachable again; KV-aware routing resumes")
         self.available, self.error = True, None

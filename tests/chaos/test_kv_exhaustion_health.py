@@ -21,6 +21,7 @@ import time
 
 import pytest
 import ray
+from helpers import tiny_model_id
 
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from engine.messages import GenerateRequest
@@ -114,7 +115,7 @@ def test_redis_stopped_under_load_loses_no_request_and_the_index_resyncs(cluster
         redis_server.start()  # empty, on the same port
     t0 = time.monotonic()
     deadline = t0 + 30
-    index = PrefixIndex(connect(redis_server.url), cluster.cfg.index.key_prefix, "tiny")
+    index = PrefixIndex(connect(redis_server.url), cluster.cfg.index.key_prefix, tiny_model_id())
     while not (index_available(cluster) and len(index.live_epochs()) == len(cluster.workers)):
         assert time.monotonic() < deadline, "the index did not come back within 30 s of Redis' restart"
         time.sleep(0.05)

@@ -19,7 +19,7 @@ import pytest
 import ray
 from brigade_client import AsyncClient, Client, DeadlineExceeded, ResourceExhausted, Unavailable
 from brigade_client.v1 import brigade_pb2 as pb
-from invalid_cases import CASES, Limits
+from invalid_cases import GRPC_CASES, Limits
 from support import wait_for
 
 from cluster.backend import ClusterBackend
@@ -210,14 +210,14 @@ def _proto_request(neutral: dict) -> pb.GenerateRequest:
         req.token_ids.ids.extend(prompt)
     req.sampling.SetInParent()
     for name, value in neutral.items():
-        if name == "stop":
-            req.sampling.stop.extend(value)
+        if name in ("stop", "stop_token_ids"):
+            getattr(req.sampling, name).extend(value)
         elif name != "prompt":
             setattr(req.sampling, name, value)
     return req
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("case", GRPC_CASES, ids=[c.name for c in GRPC_CASES])
 def test_invalid_requests_name_the_field_and_reach_no_worker(door, cluster, case) -> None:
     backend = cluster[1]
     limits = Limits(max_model_len=backend.max_model_len, vocab_size=backend.vocab_size)
@@ -290,6 +290,68 @@ def test_a_thousand_mutated_requests_get_no_internal_error(door, cluster) -> Non
     wait_for(lambda: router_idle(cl) and pools_whole(cl), what="router idle and every pool whole")
     with Client(door.address) as client:
         assert client.health() == "SERVING"
+
+
+INT_EXTREMES = {"int32": [-(2**31), -2, -1, 0, 1, 2**31 - 1], "int64": [-(2**63), -1, 0, 1, 2**62, 2**63 - 1]}
+
+
+def _extreme_sampling():
+    """pb.SamplingParams from its descriptor: each optional field unset or an extreme of its type."""
+    from google.protobuf.descriptor import FieldDescriptor as F
+    from hypothesis import strategies as st
+
+    floats = st.sampled_from([0.0, -0.0, 1e-300, 5e-324, -1.0, 0.5, 1.0, 2.0, 1e308, float("inf"), -float("inf"),
+                              float("nan")])
+    by_type = {F.TYPE_INT32: st.sampled_from(INT_EXTREMES["int32"]) | st.integers(-(2**31), 2**31 - 1),
+               F.TYPE_INT64: st.sampled_from(INT_EXTREMES["int64"]) | st.integers(-(2**63), 2**63 - 1),
+               F.TYPE_DOUBLE: floats, F.TYPE_BOOL: st.booleans()}
+    fields = {}
+    for f in pb.SamplingParams.DESCRIPTOR.fields:
+        if f.name == "stop":
+            fields[f.name] = st.lists(st.text(max_size=300), max_size=20)
+        elif f.name == "stop_token_ids":
+            fields[f.name] = st.lists(by_type[F.TYPE_INT64], max_size=70)
+        else:
+            fields[f.name] = st.none() | by_type[f.type]
+    if "max_tokens" in fields:  # keep the valid requests short: a few tokens each
+        fields["max_tokens"] = st.none() | st.sampled_from([-(2**63), -1, 0, 1, 2, 3, 2**31, 2**63 - 1])
+    return st.fixed_dictionaries(fields).map(
+        lambda d: pb.SamplingParams(**{k: v for k, v in d.items() if v is not None}))
+
+
+def test_property_based_extreme_requests_get_no_internal_error_and_kill_no_worker(door, cluster) -> None:
+    """hypothesis (issue 17): requests built from the proto with every field at an extreme; every
+    answer is OK or a deliberate status, and afterwards the same workers are alive."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    cl, _ = cluster
+    actors = {wid: h._actor_id.hex() for wid, h in cl.workers.items()}
+    prompts = (st.builds(lambda ids: pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids)),
+                         st.lists(st.sampled_from(INT_EXTREMES["int64"]) | st.integers(0, 4200), max_size=8))
+               | st.builds(lambda t: pb.GenerateRequest(text=t), st.text(max_size=40)))
+    codes: list[grpc.StatusCode] = []
+    with grpc.insecure_channel(door.address) as channel:
+        call = channel.unary_unary("/brigade.v1.Brigade/GenerateUnary",
+                                   response_deserializer=pb.GenerateResponse.FromString)
+
+        @settings(max_examples=150, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(prompts, _extreme_sampling())
+        def check(req, sampling) -> None:
+            req.sampling.CopyFrom(sampling)
+            try:
+                call(req.SerializeToString(), timeout=60)
+                codes.append(grpc.StatusCode.OK)
+            except grpc.RpcError as exc:
+                codes.append(exc.code())
+                assert exc.code() not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN), (req, exc.details())
+
+        check()
+    assert codes.count(grpc.StatusCode.INVALID_ARGUMENT) > 10 and grpc.StatusCode.OK in codes
+    wait_for(lambda: router_idle(cl) and pools_whole(cl), what="router idle and every pool whole")
+    assert {wid: h._actor_id.hex() for wid, h in cl.workers.items()} == actors  # nobody died or was replaced
+    assert all(r.alive for r in ray.get([h.health.remote() for h in cl.workers.values()]))
 
 
 # -- drain (last: a second server over the same backend) ------------------------------------------

@@ -6,13 +6,18 @@ a stand-in, scripted per test.
 """
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
 from brigade_client import (
+    BrigadeError,
     Client,
     InvalidArgument,
     NotFound,
@@ -21,6 +26,7 @@ from brigade_client import (
     Unavailable,
 )
 from brigade_client import cli as client_cli
+from brigade_client.v1 import brigade_pb2 as pb
 from support import wait_for
 
 from engine.messages import Chunk, Timing
@@ -123,6 +129,72 @@ def test_auth_refuses_missing_and_unknown_tokens_and_salts_by_tenant(auth_door) 
     assert server.state.metrics.requests.labels("grpc", "unauthenticated")._value.get() == 4
 
 
+def test_an_unauthenticated_call_is_refused_before_its_bytes_are_parsed(auth_door) -> None:
+    """A big body, and bytes that are no GenerateRequest at all: UNAUTHENTICATED either way (a
+    parse would have said INVALID_ARGUMENT), and nothing reaches the backend."""
+    server, backend = auth_door
+    with grpc.insecure_channel(server.address) as channel:
+        for method in ("GenerateUnary", "Generate"):
+            kind = channel.unary_stream if method == "Generate" else channel.unary_unary
+            call = kind(f"/brigade.v1.Brigade/{method}")
+            for body in (pb.GenerateRequest(text="x" * (1 << 20)).SerializeToString(), b"\xff\xff not a message"):
+                with pytest.raises(grpc.RpcError) as info:
+                    result = call(body, timeout=30)
+                    if method == "Generate":
+                        list(result)
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, (method, info.value.details())
+    assert backend.calls == []
+
+
+def test_calls_over_max_concurrent_rpcs_are_resource_exhausted_at_once() -> None:
+    server, backend = make_door(FrontDoorConfig(max_concurrent_rpcs=2))
+    release = threading.Event()
+
+    async def slow(req):
+        backend.calls.append(req)
+        await asyncio.get_running_loop().run_in_executor(None, release.wait, 30)
+        yield Chunk(req.request_id, [3], "t3", True, "length", Usage(1, 1, 0))
+    backend.generate = slow
+    try:
+        with Client(server.address, max_retries=0, timeout=30) as client, ThreadPoolExecutor(2) as pool:
+            held = [pool.submit(lambda: list(client.stream("hi"))) for _ in range(2)]
+            deadline = time.monotonic() + 20
+            while len(backend.calls) < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            with pytest.raises(ResourceExhausted):
+                client.generate("hi")  # the third at once: refused, not queued
+            release.set()
+            assert all(len(f.result(timeout=30)) == 1 for f in held)
+            assert len(client.generate("hi").token_ids) == 1  # and served again once they are done
+    finally:
+        release.set()
+        server.close()
+
+
+def test_health_answers_while_detokenize_calls_hold_their_threads(door) -> None:
+    """Detokenize (and Tokenize, templates, a Generate's tokenizing) run off the event loop: with
+    8 calls each blocked in the tokenizer, health still answers at once, well inside its deadline."""
+    server, backend = door
+    release, entered = threading.Event(), threading.Semaphore(0)
+
+    def slow_detokenize(ids):
+        entered.release()
+        release.wait(60)
+        return "x"
+    backend.detokenize = slow_detokenize
+    try:
+        with Client(server.address, max_retries=0, timeout=90) as client, ThreadPoolExecutor(8) as pool:
+            calls = [pool.submit(client.detokenize, [1] * 1000) for _ in range(8)]
+            for _ in range(4):  # at least 4 inside the tokenizer (the loop's executor takes cores + 4 at once)
+                assert entered.acquire(timeout=30)
+            with Client(server.address, max_retries=0, timeout=10) as prober:
+                assert all(prober.health() == "SERVING" for _ in range(20))  # the loop is free
+            release.set()
+            assert all(c.result(timeout=60) == "x" for c in calls)
+    finally:
+        release.set()
+
+
 def test_reflection_needs_a_token_and_health_too_unless_public(monkeypatch) -> None:
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
@@ -172,6 +244,15 @@ def test_unavailable_before_the_first_token_is_retried(door) -> None:
         with pytest.raises(Unavailable) as info:
             client.generate("hi")
     assert info.value.retry_after_s == 1.0 and "no live decode worker" in info.value.message
+
+
+def test_a_bug_is_internal_with_a_log_id_and_no_internal_text(door) -> None:
+    server, backend = door
+    backend.fail = [RuntimeError("/opt/brigade/secret/path.py: ray::DecodeActor internals")]
+    with Client(server.address, max_retries=0) as client, pytest.raises(BrigadeError) as info:
+        client.generate("hi")
+    assert info.value.code == grpc.StatusCode.INTERNAL and "logged it under id" in info.value.message
+    assert "/opt/brigade" not in info.value.message and "ray::" not in info.value.message
 
 
 def test_overloaded_is_resource_exhausted_and_not_retried(door) -> None:

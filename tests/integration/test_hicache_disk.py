@@ -1,11 +1,11 @@
 """HiCache's disk tier: bad files are misses (quarantined, counted, recomputed right), and a
 writer killed mid-write never leaves a readable partial file."""
+import errno
 import os
 import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from engine.block_hash import chain_hashes
+from engine.hicache import disk_store
 from engine.hicache.disk_store import QUARANTINE_KEEP, DiskStore, encode_block
 from tests.helpers import assert_pool_clean
 from tests.hicache_helpers import BLOCK, GREEDY, plain_engine, tiered_engine, tokens
@@ -106,13 +107,15 @@ def test_kill_during_disk_writes_leaves_no_readable_partial_file(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]  # re-indexing swept them
 
 
-def test_full_disk_stops_disk_writes_and_keeps_serving(tmp_path, reference):
-    """ENOSPC from the kernel: each temp file the writer thread will open is a symlink to /dev/full."""
+def test_full_disk_stops_disk_writes_and_keeps_serving(tmp_path, reference, monkeypatch):
+    """ENOSPC from every write. (Once made by temp files symlinked to /dev/full; the writer now
+    refuses to open a temp file through a symlink, so the store's own write step raises it.)"""
     engine = tiered_engine(tmp_path, host_blocks=0)  # every block goes straight to disk
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(disk_store, "_write_all", full)
     hc = engine.hicache
-    writer_thread = hc._writer.submit(threading.get_ident).result()
-    for h in chain_hashes(PROMPT, BLOCK, engine.model_id):
-        (tmp_path / f".tmp-{h.hex()}-{os.getpid()}-{writer_thread}").symlink_to("/dev/full")
     first = engine.generate([PROMPT], GREEDY)[0]
     hc.drain()
     stats = engine.stats()["hicache"]

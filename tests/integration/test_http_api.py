@@ -16,12 +16,13 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from invalid_cases import CASES, Limits
+from invalid_cases import HTTP_CASES, Limits
 from support import wait_for
 
 from engine.llm_engine import check_request
@@ -224,7 +225,7 @@ def test_models_and_unknown_model(server: ApiServer) -> None:
 # -- refusals -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("case", HTTP_CASES, ids=[c.name for c in HTTP_CASES])
 def test_invalid_request_table(server: ApiServer, case) -> None:
     status, err, _ = post(f"{server.url}/v1/completions", case.request(LIMITS))
     assert status == 400, err
@@ -233,6 +234,20 @@ def test_invalid_request_table(server: ApiServer, case) -> None:
     assert not server.backend.calls  # refused before any work was queued
     status, done, _ = post(f"{server.url}/v1/completions", {"prompt": "ok", "max_tokens": 3})
     assert status == 200 and done["choices"][0]["text"] == "abc"
+
+
+@pytest.mark.parametrize("raw", [
+    b"[" * 100_000 + b"]" * 100_000,  # RecursionError in the parser
+    b'{"prompt": "hi", "a":' + b'{"b":' * 50_000 + b"1" + b"}" * 50_001,
+    b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}",  # past Python's int-parsing limit
+    b'{"prompt": "hi", "temperature": 1e999999}',  # inf
+], ids=["nested list", "nested object", "huge int", "huge float"])
+def test_hostile_json_is_400_not_500(server: ApiServer, raw: bytes) -> None:
+    status, err, _ = post(f"{server.url}/v1/completions", raw)
+    assert status == 400, err
+    assert len(err["error"]["message"]) <= 200
+    assert not server.backend.calls
+    assert post(f"{server.url}/v1/completions", {"prompt": "ok", "max_tokens": 3})[0] == 200
 
 
 CHAT_INVALID = [
@@ -309,6 +324,20 @@ def test_router_refusals_surface_as_openai_exceptions(server: ApiServer) -> None
     assert metric(server, "brigade_requests_total", door="http", outcome="unavailable") == 1
 
 
+def test_a_bug_answers_500_with_a_log_id_and_no_internal_text(server: ApiServer) -> None:
+    from engine.engine_loop import RequestFailed
+
+    server.backend.fail = RuntimeError("/opt/brigade/secret/path.py: ray::DecodeActor internals")
+    status, err, _ = post(f"{server.url}/v1/completions", {"prompt": "hi"})
+    assert status == 500 and "logged it under id" in err["error"]["message"]
+    assert "/opt/brigade" not in err["error"]["message"] and "ray::" not in err["error"]["message"]
+    server.backend.fail = RequestFailed("the request failed in the engine (sampling); log id 0123456789ab")
+    status, err, _ = post(f"{server.url}/v1/completions", {"prompt": "hi"})
+    assert status == 500 and err["error"]["message"].endswith("log id 0123456789ab")  # its own, safe message
+    server.backend.fail = None
+    assert post(f"{server.url}/v1/completions", {"prompt": "ok", "max_tokens": 3})[0] == 200
+
+
 def raw_post(server: ApiServer, body: bytes, length: int | None = None) -> socket.socket:
     sock = socket.create_connection(server.server_address[:2])
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -356,6 +385,39 @@ def test_auth_needs_a_known_bearer_token_and_salts_by_tenant(authed: ApiServer) 
     assert [c["cache_salt"] for c in authed.backend.calls] == ["acme", "zeta", "acme:conv-7"]
     assert get(f"{authed.url}/metrics", ACME)[0] == 200
     assert metric(authed, "brigade_requests_total", door="http", outcome="unauthenticated") == 4
+
+
+def test_a_metrics_only_token_reads_metrics_and_nothing_else() -> None:
+    scraper = "scraper-token-0123456789"
+    server = start(auth=Authenticator({ACME: "acme"}, metrics_tokens=(scraper,)))
+    try:
+        assert get(f"{server.url}/metrics", scraper)[0] == 200
+        assert get(f"{server.url}/metrics", ACME)[0] == 200
+        assert get(f"{server.url}/metrics")[0] == 401
+        assert get(f"{server.url}/v1/models", scraper)[0] == 401
+        assert post(f"{server.url}/v1/completions", {"prompt": "hi"}, scraper)[0] == 401
+        assert not server.backend.calls
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_public_health_is_trimmed_and_cached(authed: ApiServer) -> None:
+    calls = []
+    real = authed.backend.health
+
+    async def counted():
+        calls.append(1)
+        return await real()
+    authed.backend.health = counted
+    authed.health_cache.ttl_s = 60.0  # one answer for the whole test
+    status, body, _ = get(f"{authed.url}/health")
+    assert status == 200 and json.loads(body) == {"status": "ok"}  # no workers, queue or index for strangers
+    status, body, _ = get(f"{authed.url}/health", ACME)
+    assert status == 200 and json.loads(body)["waiting"] == 3  # the details for a token holder
+    with ThreadPoolExecutor(8) as pool:
+        assert set(pool.map(lambda _: get(f"{authed.url}/health")[0], range(64))) == {200}
+    assert len(calls) == 1  # 66 probes, one question to the backend
 
 
 def test_private_health_needs_the_token() -> None:

@@ -40,7 +40,7 @@ from cluster.launch import local_resources
 from cluster.redis_server import EmbeddedRedis
 from cluster.serve import DRAIN_S
 from kv_transfer import TransferConfig
-from router.config import FrontDoorConfig
+from router.config import AuthConfig, FrontDoorConfig
 from router.grpc.server import GrpcServer
 from router.http.server import ApiServer
 from router.metrics import FrontDoorMetrics
@@ -184,6 +184,8 @@ def test_the_configmap_passes_serve_check(overlay: str, tmp_path: Path, monkeypa
     args[args.index("--config") + 1] = str(path)
     for name in (cfg.redis_password_env, cfg.frontdoor.auth.token_env):  # the Secrets' values, in the pod
         monkeypatch.setenv(name, "tenant-a a-secret-value-0123456789")
+    pod_env = {e["name"]: e.get("value") for e in container(head(docs), "brigade")["env"]}
+    monkeypatch.setenv("RAY_AUTH_MODE", pod_env["RAY_AUTH_MODE"])
     assert brigade([*args, "--check"]) == 0
     out = capsys.readouterr().out
     assert "# config OK" in out and f"host: {POD_IP}" in out and "a-secret-value" not in out
@@ -194,6 +196,12 @@ def test_the_configmap_passes_serve_check(overlay: str, tmp_path: Path, monkeypa
         brigade([*args, "--check"])
     assert exit_.value.code == 2
     assert f"${cfg.redis_password_env}, which is unset" in capsys.readouterr().err
+
+    monkeypatch.setenv(cfg.redis_password_env, "a-secret-value-0123456789")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # the pod's --host and --ray-address need Ray token auth
+    with pytest.raises(SystemExit) as exit_:
+        brigade([*args, "--check"])
+    assert exit_.value.code == 2 and "RAY_AUTH_MODE" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -306,7 +314,8 @@ def test_every_env_var_set_is_one_the_code_reads(tmp_path: Path) -> None:
             args = " ".join(c.get("args", []))
             for env in c.get("env", []):
                 name = env["name"]
-                read = (name in (cfg.redis_password_env, cfg.frontdoor.auth.token_env)  # named by the config
+                auth = cfg.frontdoor.auth
+                read = (name in (cfg.redis_password_env, auth.token_env, auth.metrics_token_env)  # named by the config
                         or f"$({name})" in args  # expanded into the command line by the kubelet
                         or f'"{name}"' in ours  # our code reads it
                         or (name.startswith("RAY_") and f'"{name}"' in ray_sources))  # Ray reads it
@@ -446,7 +455,7 @@ def test_docs_name_what_the_manifests_use() -> None:
     doc = (ROOT / "docs" / "deploy-kubernetes.md").read_text()
     docs = rendered("gpu-prod")
     secrets = {ref["name"] for d in (one(docs, "RayCluster"), one(docs, "StatefulSet")) for ref in _secret_refs(d)}
-    assert secrets == {"brigade-redis", "brigade-ray-token", "brigade-api-tokens"}
+    assert secrets == {"brigade-redis", "brigade-ray-token", "brigade-api-tokens", "brigade-metrics-token"}
     for secret in secrets | {"brigade-models"}:
         assert secret in doc, secret
     for overlay in OVERLAYS:
@@ -506,6 +515,9 @@ def test_the_cpu_dev_config_serves(tmp_path: Path) -> None:
                 out.append(line)
             base = out[-1].split(" at ")[1].split()[0].removesuffix("/v1")
             with urllib.request.urlopen(f"{base}/health", timeout=30) as resp:  # the readiness probe, no token
+                assert json.loads(resp.read()) == {"status": "ok"}  # trimmed for a caller without one
+            with urllib.request.urlopen(urllib.request.Request(f"{base}/health", headers={
+                    "Authorization": f"Bearer {token}"}), timeout=30) as resp:
                 health = json.loads(resp.read())
             assert health["prefix_index"] == "ok" and health["workers"] == {"prefill": 1, "decode": 1}
             body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0, "ignore_eos": True}).encode()
@@ -581,3 +593,109 @@ def test_the_object_store_fits_the_shared_memory_volume(overlay: str) -> None:
         assert {"name": "dshm", "mountPath": "/dev/shm"} in ray_c["volumeMounts"]
         assert int(group["rayStartParams"]["object-store-memory"]) <= _bytes(shm["emptyDir"]["sizeLimit"])
         assert _bytes(shm["emptyDir"]["sizeLimit"]) <= _bytes(ray_c["resources"]["limits"]["memory"])
+
+
+# -- hardening (issue 17): non-root, no privileges, read-only roots, no SA token, network policies --
+
+def pods(docs) -> list[tuple[str, dict, dict]]:
+    """(name, pod labels, pod spec) of every pod template: the RayCluster's groups and Redis."""
+    ray = one(docs, "RayCluster")
+    labels = {"ray.io/cluster": ray["metadata"]["name"]}
+    out = [("head", {**labels, "ray.io/node-type": "head"}, ray["spec"]["headGroupSpec"]["template"]["spec"])]
+    out += [(g["groupName"], {**labels, "ray.io/node-type": "worker"}, g["template"]["spec"])
+            for g in ray["spec"]["workerGroupSpecs"]]
+    redis = one(docs, "StatefulSet", "brigade-redis")["spec"]["template"]
+    out.append(("redis", redis["metadata"]["labels"], redis["spec"]))
+    return out
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_pod_runs_unprivileged(overlay: str) -> None:
+    for name, _, spec in pods(rendered(overlay)):
+        assert spec["automountServiceAccountToken"] is False, name
+        pod = spec["securityContext"]
+        assert pod["runAsNonRoot"] is True and pod["runAsUser"] != 0 and pod["runAsGroup"] != 0, name
+        assert pod["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        for c in spec["containers"] + spec.get("initContainers", []):
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, (name, c["name"])
+            assert sc["capabilities"] == {"drop": ["ALL"]}, (name, c["name"])
+            assert sc["readOnlyRootFilesystem"] is True, (name, c["name"])
+            assert sc.get("privileged") is not True and sc.get("runAsUser", 1) != 0, (name, c["name"])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_what_the_processes_write_is_on_an_empty_dir(overlay: str) -> None:
+    docs = rendered(overlay)
+    for name, _, spec in pods(docs):
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for c in spec["containers"]:
+            mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+            if name == "redis":
+                assert "/data" in mounts, c["name"]  # its one write path (an emptyDir, or gpu-prod's claim)
+                continue
+            for path in ("/tmp", "/dev/shm"):  # Ray's session files and HOME (/tmp), its object store
+                if path == "/dev/shm" and c["name"] == "brigade":
+                    continue  # the driver keeps no object store
+                assert path in mounts and "emptyDir" in volumes[mounts[path]], (name, c["name"], path)
+
+
+def test_the_images_run_as_a_non_root_user_with_home_on_tmp() -> None:
+    for name in ("Dockerfile", "Dockerfile.cuda"):
+        text = (K8S / name).read_text()
+        assert re.search(r"^RUN .*useradd --uid 1000 ", text, flags=re.M), name
+        user = re.findall(r"^USER (\S+)", text, flags=re.M)
+        assert user and user[-1].split(":")[0] not in ("0", "root"), name
+        assert text.rindex("USER ") > text.rindex("RUN make venv"), name  # installed as root, run as the user
+        assert "HOME=/tmp" in text, name
+
+
+def _selects(policy: dict, labels: dict) -> bool:
+    want = policy["spec"]["podSelector"].get("matchLabels", {})
+    return all(labels.get(k) == v for k, v in want.items())
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_network_policy_selects_every_pod(overlay: str) -> None:
+    docs = rendered(overlay)
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    for name, labels, _ in pods(docs):
+        mine = [p for p in policies if _selects(p, labels)]
+        assert mine and all("Ingress" in p["spec"]["policyTypes"] for p in mine), name
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_ray_ports_only_from_the_ray_cluster_and_the_doors_only_from_clients(overlay: str) -> None:
+    docs = rendered(overlay)
+    policies = {d["metadata"]["name"]: d for d in docs if d["kind"] == "NetworkPolicy"}
+    cluster = {"ray.io/cluster": "brigade"}
+    ray = policies["brigade-ray"]["spec"]
+    assert ray["podSelector"]["matchLabels"] == cluster
+    assert ray["ingress"] == [{"from": [{"podSelector": {"matchLabels": cluster}}]}]  # all ports, own pods only
+    doors = policies["brigade-doors"]["spec"]
+    assert doors["podSelector"]["matchLabels"] == {**cluster, "ray.io/node-type": "head"}
+    for rule in doors["ingress"]:
+        assert sorted(p["port"] for p in rule["ports"]) == [8000, 50051]
+        assert all("podSelector" in peer or "namespaceSelector" in peer for peer in rule["from"])  # never open
+    # Every other policy on a Ray pod opens named ports only (no rule without `ports` but brigade-ray's).
+    for name, policy in policies.items():
+        if name in ("brigade-ray",):
+            continue
+        for rule in policy["spec"]["ingress"]:
+            assert rule.get("ports"), name
+    assert ("brigade-metrics" in policies) == (overlay == "gpu-prod-monitoring")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_prometheus_gets_a_scrape_only_token(overlay: str, tmp_path) -> None:
+    docs = rendered(overlay)
+    brigade = next(c for c in head(docs)["containers"] if c["name"] == "brigade")
+    env = {e["name"]: e for e in brigade["env"]}
+    ref = env["BRIGADE_METRICS_TOKENS"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "brigade-metrics-token", "key": "token", "optional": True}
+    cfg = yaml.safe_load(one(docs, "ConfigMap", "brigade-config")["data"]["cluster.yaml"])
+    auth = AuthConfig(**cfg["frontdoor"]["auth"])
+    assert auth.metrics_token_env == "BRIGADE_METRICS_TOKENS" and auth.token_env == "BRIGADE_API_TOKENS"
+    if overlay == "gpu-prod-monitoring":
+        monitor = one(docs, "ServiceMonitor")["spec"]["endpoints"][0]
+        assert monitor["authorization"]["credentials"] == {"name": "brigade-metrics-token", "key": "token"}

@@ -10,6 +10,7 @@ import random
 
 import pytest
 import ray
+from helpers import tiny_model_id
 from support import wait_for
 
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
@@ -64,7 +65,7 @@ def run(router, requests: list[tuple[str, list[int]]], salt: str | None = None) 
 def indexed(index: PrefixIndex, prompt: list[int], worker: str, salt: str | None = None) -> bool:
     from engine.block_hash import chain_hashes, salted_root
 
-    hashes = chain_hashes(prompt[:160], BS, "tiny", parent=salted_root(salt))
+    hashes = chain_hashes(prompt[:160], BS, tiny_model_id(), parent=salted_root(salt))
     hit = index.query(hashes, index.live_epochs()).get(worker)
     return hit is not None and hit.blocks == 10
 
@@ -75,7 +76,7 @@ def disagg(ray_cluster, redis_server):
 
 
 def test_a_shared_prefix_goes_back_to_its_prefill_worker(disagg, redis_server, cold):
-    index = PrefixIndex(connect(redis_server.url), disagg.cfg.index.key_prefix, "tiny")
+    index = PrefixIndex(connect(redis_server.url), disagg.cfg.index.key_prefix, tiny_model_id())
     assert sorted(index.live_epochs()) == ["decode-0", "prefill-0", "prefill-1"]  # the workers' own leases
     first = run(disagg.router, [(f"a{i}", p) for i, p in enumerate(FIRST)])  # at once: they spread by load
     homes = {rid: last.prefill_worker for rid, (_, last) in first.items()}
@@ -109,7 +110,7 @@ def test_redis_restart_mid_run_requests_keep_succeeding_and_the_index_recovers(d
     finally:
         redis_server.start()  # empty, on the same port
     wait_for(lambda: ray.get(disagg.router.status.remote())["index"]["available"], what="index back")
-    index = PrefixIndex(connect(redis_server.url), disagg.cfg.index.key_prefix, "tiny")
+    index = PrefixIndex(connect(redis_server.url), disagg.cfg.index.key_prefix, tiny_model_id())
     wait_for(lambda: sorted(index.live_epochs()) == ["decode-0", "prefill-0", "prefill-1"], what="leases back")
     home = run(disagg.router, [("after0", FIRST[3])])["after0"][1].prefill_worker
     wait_for(lambda: indexed(index, FIRST[3], home), what="blocks re-published")
@@ -130,7 +131,7 @@ def test_two_routers_share_one_index(ray_cluster, redis_server, cold):
         other = RouterActor.options(num_cpus=0, max_concurrency=100).remote(cl.cfg.router, True, cl.index)
         for wid, handle in cl.workers.items():
             ray.get(other.add_worker.remote("mixed", wid, handle))
-        index = PrefixIndex(connect(redis_server.url), cl.cfg.index.key_prefix, "tiny")
+        index = PrefixIndex(connect(redis_server.url), cl.cfg.index.key_prefix, tiny_model_id())
         first = run(cl.router, [("a0", FIRST[0]), ("a1", FIRST[1])])  # at once: one on each worker
         homes = {i: first[f"a{i}"][1].decode_worker for i in (0, 1)}
         assert set(homes.values()) == {"mixed-0", "mixed-1"}

@@ -153,7 +153,7 @@ def test_resync_flag_and_redis_restart_republish(cfg: IndexConfig) -> None:
         srv.stop()  # Redis dies and comes back empty on the same port
         assert wait_for(lambda: not pub.connected)
         events.pending.append(CacheEvent("removed", "device", tuple(hashes[8:])))  # the cache moves on meanwhile
-        srv = EmbeddedRedis(port=port).start()
+        srv = EmbeddedRedis(port=port, password=srv.password).start()  # the same URL as before
         assert wait_for(lambda: pub.connected)
         assert wait_for(lambda: "p0" in index.live_epochs())  # registered again (epochs restart with Redis)
         assert pub.epoch == index.live_epochs()["p0"] and epoch >= 1
@@ -236,13 +236,14 @@ def test_a_plain_prefill_worker_publishes_its_engine_cache_and_ends_its_lease(se
     cache = CacheConfig(num_blocks=64, record_events=True)  # as cluster.config.worker_config sets it
     worker = PrefillWorker("pw", EngineConfig(model="tiny", num_threads=1, cache=cache), TransferConfig(backend="gloo"),
                            partial(worker_publisher, IndexLink(redis_url=server.url, index=cfg)))
-    index = PrefixIndex(connect(server.url), cfg.key_prefix, MODEL)
+    model = worker.engine.model_id  # "tiny@<checkpoint fingerprint>": what the worker hashes with
+    index = PrefixIndex(connect(server.url), cfg.key_prefix, model)
     prompt = list(range(3, 3 + 70))  # 4 full blocks of 16
     try:
         assert index.live_epochs() == {"pw": 1}
         done = worker.prefill(GenerateRequest("r", prompt, SamplingParams(max_tokens=2))).result(timeout=60)
         assert done.usage.prompt_tokens == 70
-        hashes = chain_hashes(prompt, 16, MODEL)
+        hashes = chain_hashes(prompt, 16, model)
         assert wait_for(lambda: index.query(hashes, index.live_epochs())["pw"] == PrefixHit(4, 4, 0, 0))
         assert worker.health().index["blocks"] == 4
     finally:

@@ -32,7 +32,7 @@ def prefix() -> str:
 
 
 def test_embedded_redis_answers_on_loopback_only(server: EmbeddedRedis) -> None:
-    assert server.url == f"redis://127.0.0.1:{server.port}/0"
+    assert server.url == f"redis://:{server.password}@127.0.0.1:{server.port}/0"
     assert redis.Redis.from_url(server.url).ping()
     listening = [c for c in psutil.Process(server.pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
     assert listening and {c.laddr.ip for c in listening} == {"127.0.0.1"}
@@ -112,6 +112,17 @@ def test_live_workers_filters_by_role(server: EmbeddedRedis, prefix: str) -> Non
     assert WorkerRegistry(server.url, prefix=prefix + "-other").live_workers() == []
 
 
+def test_the_embedded_server_has_a_random_password_by_default() -> None:
+    with EmbeddedRedis() as a, EmbeddedRedis() as b:
+        assert a.password and b.password and a.password != b.password and len(a.password) >= 24
+        assert a.password not in a.shown_url and "***" in a.shown_url
+        with pytest.raises(redis.AuthenticationError):  # a stranger on this machine, without it
+            redis.Redis(host="127.0.0.1", port=a.port).ping()
+        assert redis.Redis.from_url(a.url).ping()
+    with EmbeddedRedis(password="") as open_:  # the explicit opt-out
+        assert redis.Redis(host="127.0.0.1", port=open_.port).ping()
+
+
 def test_password_is_required_and_checked() -> None:
     with EmbeddedRedis(password="s3cret pw") as srv:
         assert srv.url == f"redis://:s3cret%20pw@127.0.0.1:{srv.port}/0"
@@ -131,5 +142,5 @@ def test_unreachable_redis_is_a_clear_error() -> None:
     srv = EmbeddedRedis().start()
     url = srv.url
     srv.stop()  # a port nothing listens on any more
-    with pytest.raises(RegistryError, match="cannot reach Redis at redis://127.0.0.1"):
+    with pytest.raises(RegistryError, match="cannot reach Redis at redis://\\*\\*\\*@127.0.0.1"):
         WorkerRegistry(url)

@@ -198,6 +198,8 @@ def test_a_joining_worker_is_paired_with_every_healthy_counterpart():
     router = asyncio.run(main())
     assert router.pool.workers["prefill-0"].peers == {"decode-0", "decode-1"}
     assert router.pool.workers["prefill-0"].client.peers == ["decode-0", "decode-1"]
+    # Each decode worker is told whom to expect: its rendezvous refuses a join under another name.
+    assert [router.pool.workers[d].client.expected for d in ("decode-0", "decode-1")] == [["prefill-0"]] * 2
 
 
 def test_overloaded_admission_refuses_at_once():
