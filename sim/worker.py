@@ -243,7 +243,7 @@ class SimWorker:
         self._check()
         return (self.worker_id, 0)
 
-    async def accept(self) -> str:
+    async def accept(self, expect: str | None = None) -> str:
         return await self._accepts.get()
 
     async def connect(self, decode_id: str, address) -> None:
