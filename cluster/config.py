@@ -34,6 +34,7 @@ class WorkerEngine(_Frozen):
     """Engine settings every worker shares (each worker gets its own pool of this size)."""
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    quantization: Literal["none", "int8", "gguf"] = "none"
     device: str = "auto"
     block_size: int = Field(16, ge=1)
     num_blocks: int | None = Field(None, ge=2)
@@ -109,8 +110,8 @@ class ClusterConfig(_Frozen):
         e = self.engine
         cache = CacheConfig(block_size=e.block_size, num_blocks=e.num_blocks, hicache=self.worker_hicache(worker_id))
         return EngineConfig(
-            model=self.model, dtype=e.dtype, device=e.device, max_model_len=e.max_model_len,
-            num_threads=num_threads, cache=cache,
+            model=self.model, dtype=e.dtype, quantization=e.quantization, device=e.device,
+            max_model_len=e.max_model_len, num_threads=num_threads, cache=cache,
             scheduler=SchedulerConfig(max_num_batched_tokens=e.max_num_batched_tokens, max_num_seqs=e.max_num_seqs),
         )
 
