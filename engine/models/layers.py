@@ -45,9 +45,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one call; the same result as the reference's steps
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        return self.weight * rms_normalize(x, self.eps)
+        # One call. float32: the same result as the reference's steps. bfloat16/float16: torch
+        # normalises in float32 and rounds once after the weight, where the reference rounds
+        # before it too (one rounding fewer; 5 fewer small ops per norm on a decode step).
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
