@@ -65,6 +65,8 @@ def run_brigade(spec: dict) -> dict:
     def generate(prompts, n):
         engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
 
+    if spec.get("profile_steps"):
+        return {"profile": profile_decode(engine, spec), "dtype_used": str(engine.dtype).removeprefix("torch.")}
     out = measure(generate, spec)
     out["dtype_used"] = str(engine.dtype).removeprefix("torch.")
     out["weight_bytes_per_step"] = weight_bytes_per_step(engine.runner.model)
@@ -74,6 +76,50 @@ def run_brigade(spec: dict) -> dict:
     if spec.get("perplexity"):
         out["perplexity"] = brigade_perplexity(engine, spec["perplexity"])
     return out
+
+
+# op -> class, for the per-op-class profile of a decode step
+_OP_CLASS = {
+    "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int8pack_mm",
+               "aten::_weight_int4pack_mm_for_cpu"),
+    "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::index_select", "aten::index_copy_"),
+    "norm": ("aten::_fused_rms_norm",),
+    "elementwise": ("aten::mul", "aten::add", "aten::add_", "aten::silu", "aten::cat", "aten::neg", "aten::copy_",
+                    "aten::_to_copy", "aten::where", "aten::index", "aten::embedding", "aten::contiguous"),
+    "sampling": ("aten::argmax", "aten::max", "aten::sort", "aten::topk", "aten::softmax", "aten::_softmax"),
+}
+
+
+def profile_decode(engine, spec: dict) -> dict:
+    """Where a bs1 decode step's time goes, by op class (torch.profiler self CPU time, summed
+    over the step's threads' main thread), against the step's wall time: the rest is Python
+    and framework overhead around the ops (scheduler, input prep, detokenizer, dispatch)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine import SamplingParams
+
+    steps = spec["profile_steps"]
+    prompt = spec["bs1"]["decode_prompts"][0]
+    engine.add_request("profile", prompt, SamplingParams(max_tokens=steps + 9, temperature=0.0, ignore_eos=True))
+    for _ in range(9):  # prefill + warm-up steps
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = (time.perf_counter() - t0) / steps
+    by_class: dict[str, float] = {}
+    others: dict[str, float] = {}
+    for ev in prof.key_averages():
+        cls = next((c for c, ops in _OP_CLASS.items() if ev.key in ops), "other ops")
+        t = ev.self_cpu_time_total / 1e6 / steps
+        by_class[cls] = by_class.get(cls, 0.0) + t
+        if cls == "other ops":
+            others[ev.key] = t
+    ops = sum(by_class.values())
+    top_other = dict(sorted(others.items(), key=lambda kv: -kv[1])[:8])
+    return {"step_wall_s": wall, "by_class_s": by_class, "ops_total_s": ops, "top_other_ops_s": top_other,
+            "note": "profiler on: the step is slower than unprofiled; shares, not absolute times, count"}
 
 
 def weight_bytes_per_step(model) -> int:

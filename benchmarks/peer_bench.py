@@ -220,6 +220,23 @@ def ratios_for(raw: dict, model: str, dtypes: list[str], read_bw: float) -> dict
     return {k: v for k, v in out.items() if v is not None}
 
 
+def profile_phase(raw: dict, model: str, p: dict, threads: int, env: dict, timeout: float) -> None:
+    """Brigade's bs1 decode step by op class (raw.profile), for each precision it ran."""
+    from engine.model_config import ModelConfig
+    from engine.presets import resolve_model
+
+    path = resolve_model(model)
+    base = {"model": str(path), "threads": threads, **workload(p, ModelConfig.from_dir(path).vocab_size, seed=7),
+            "system": "brigade", "perplexity": None, "profile_steps": 8 if p["bs1_out"] < 64 else 32}
+    raw["profile"] = {}
+    for label, dtype, quant in (("float32", "float32", "none"), ("bfloat16", "bfloat16", "none"),
+                                ("gguf", "bfloat16", "gguf"), ("int8", "bfloat16", "int8")):
+        if label in raw.get("dtypes", []) or quant != "none":
+            print(f"profile {model}/brigade/{label} ...", flush=True)
+            raw["profile"][label] = run_system(Path(sys.executable), {**base, "dtype": dtype, "quantization": quant},
+                                               env, timeout)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="short workloads, SmolLM2 only, no vLLM (< 1 minute)")
@@ -227,7 +244,18 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", help="models to run (default: smollm2-135m bench)")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--timeout", type=float, default=900, help="seconds per system run")
+    ap.add_argument("--profile-only", action="store_true",
+                    help="add the op-class profile (raw.profile) to an existing result file and exit")
     args = ap.parse_args()
+    if args.profile_only:
+        path = C.result_path(NAME + (".quick" if args.quick else ""))
+        doc = json.loads(path.read_text())
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
+        profile_phase(doc["raw"], (args.models or plan(args.quick)["models"])[0], doc["raw"]["plan"], args.threads,
+                      env, args.timeout)
+        C.write_result(NAME + (".quick" if args.quick else ""), doc["machine"], doc["ratios"], doc["targets"],
+                       doc["raw"])
+        return
     p = plan(args.quick)
     models = args.models or p["models"]
     flags = cpu_flags()
@@ -274,12 +302,12 @@ def main() -> None:
         cfg = ModelConfig.from_dir(path)
         base = {"model": str(path), "threads": args.threads, **workload(p, cfg.vocab_size, seed=len(model))}
         ppl = {"text": TEXT, "window": 512, "max_windows": p["ppl_windows"]} if Path(TEXT).is_file() else None
-        runs = [("brigade", d, "none") for d in dtypes] + ([("brigade", "auto", "none")] if p["auto"] else [])
+        # vLLM first: its start-up is the likeliest to fail, and then the run says so early.
+        runs = [("vllm", d, "none") for d in dtypes] if vllm_py is not None else []
+        runs += [("brigade", d, "none") for d in dtypes] + ([("brigade", "auto", "none")] if p["auto"] else [])
         if model == "smollm2-135m":
             runs += [("brigade", "int8", "int8"), ("brigade", "gguf", "gguf")]
         runs += [("transformers", d, "none") for d in (dtypes if not args.quick else ["float32"])]
-        if vllm_py is not None:
-            runs += [("vllm", d, "none") for d in dtypes]
         for system, label, quant in runs:
             dtype = "bfloat16" if quant != "none" else label
             spec = {**base, "system": system, "dtype": dtype, "quantization": quant,
@@ -295,6 +323,7 @@ def main() -> None:
                 print(f"  decode {r['decode_step_s'] * 1e3:.2f} ms/token, TTFT {r['ttft_s'] * 1e3:.0f} ms, "
                       f"batch {r['batch_out_tok_per_s']:.1f} tok/s", flush=True)
             save()
+    profile_phase(raw, models[0], p, args.threads, env, args.timeout)
     raw["probe_after"] = probe(args.threads)
     save(final=True)
     C.print_ratios(ratios, TARGETS, title=NAME)
