@@ -31,6 +31,16 @@ class Linear(nn.Module):
             self.weight = w
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
+    def store_out_in(self) -> None:
+        """Switch to nn.Linear's (out, in) layout. For bfloat16 on CPU (oneDNN) that layout
+        was as fast for a GEMV and ~1.8x faster for 16-row batches than (in, out), measured
+        on an AVX-512 EPYC; float32 keeps the layout above, whose rounding matches the reference."""
+        if self.transposed:
+            w = self.weight_t.data.t().contiguous()
+            del self.weight_t
+            self.weight = nn.Parameter(w, requires_grad=False)
+            self.transposed = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.transposed:
             return F.linear(x, self.weight, self.bias)
