@@ -202,11 +202,13 @@ def ratios_for(raw: dict, model: str, dtypes: list[str], read_bw: float) -> dict
             out[f"decode_vs_floor_{d}"] = floors[d]
     best = min(dtypes, key=lambda d: _get(raw, f"{model}/brigade/{d}", "decode_step_s") or float("inf"))
     out["decode_vs_floor"] = floors.get(best)
-    auto, other = _get(raw, f"{model}/brigade/auto", "decode_step_s"), None
-    if auto is not None:
-        picked = raw[f"{model}/brigade/auto"].get("dtype_used")
-        other = _get(raw, f"{model}/brigade/{'float32' if picked == 'bfloat16' else 'bfloat16'}", "decode_step_s")
-        out["auto_decode_vs_other_dtype"] = _ratio(auto, other)
+    # --dtype auto is a CPU-flag rule (engine_setup.resolve_dtype): its choice against the other
+    picked = (raw.get(f"{model}/brigade/auto") or {}).get("dtype_used") or raw.get("auto_dtype_cpu")
+    if picked in dtypes and len(dtypes) == 2:
+        other = dtypes[1 - dtypes.index(picked)]
+        for name, field in (("decode", "decode_step_s"), ("ttft", "ttft_s"), ("batch_time", "batch_wall_s")):
+            out[f"auto_{name}_vs_other_dtype"] = _ratio(_get(raw, f"{model}/brigade/{picked}", field),
+                                                        _get(raw, f"{model}/brigade/{other}", field))
     for q in ("int8", "gguf"):  # quantized Brigade against vLLM's best unquantized (raw only)
         out[f"decode_vs_vllm_{q}"] = _ratio(_get(raw, f"{model}/brigade/{q}", "decode_step_s"),
                                             _best(raw, "vllm", model, dtypes, "decode_step_s", True))
@@ -244,6 +246,10 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", help="models to run (default: smollm2-135m bench)")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--timeout", type=float, default=900, help="seconds per system run")
+    ap.add_argument("--resume", action="store_true", help="keep the result file's finished systems, run the rest")
+    ap.add_argument("--only", nargs="+", metavar="SYSTEM/LABEL",
+                    help="run only these, e.g. brigade/bfloat16 brigade/gguf (with --resume: add them)")
+    ap.add_argument("--reps", type=int, help="repetitions of the bs1 TTFT and decode runs (default 3)")
     ap.add_argument("--profile-only", action="store_true",
                     help="add the op-class profile (raw.profile) to an existing result file and exit")
     args = ap.parse_args()
@@ -257,6 +263,8 @@ def main() -> None:
                        doc["raw"])
         return
     p = plan(args.quick)
+    if args.reps:  # fewer repetitions (per-step figures stay comparable; medians get noisier)
+        p = {**p, "ttft_reps": args.reps, "decode_reps": args.reps}
     models = args.models or p["models"]
     flags = cpu_flags()
     bf16 = sorted(flags & set(BF16_FLAGS))
@@ -277,8 +285,17 @@ def main() -> None:
                  "probe_before": probe(args.threads), "note": (
                      "The machine may be shared (other processes' CPU share is in each run's cpu_by_process): "
                      "absolute figures are noisy, ratios within one run are what counts.")}
-    vllm_py = None if skip_vllm else ensure_vllm()
-    if vllm_py is None and not skip_vllm:
+    if args.resume:  # continue an interrupted run: keep its probe and every system it finished
+        prev = json.loads(C.result_path(NAME + (".quick" if args.quick else "")).read_text())
+        raw.update({k: v for k, v in prev["raw"].items() if not (isinstance(v, dict) and "error" in v)})
+        raw["resumed_plan"] = p
+        machine = {**prev["machine"], "resumed_at": machine["timestamp"], "argv_resumed": machine["argv"]}
+    from engine.engine_setup import cpu_has_bf16_dot
+
+    raw["auto_dtype_cpu"] = "bfloat16" if cpu_has_bf16_dot() else "float32"
+    needs_vllm = not skip_vllm and not (args.only and not any(o.startswith("vllm/") for o in args.only))
+    vllm_py = ensure_vllm() if needs_vllm else None
+    if vllm_py is None and needs_vllm:
         raw["vllm"] = "n/a: install failed"
     ours = Path(sys.executable)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
@@ -313,6 +330,8 @@ def main() -> None:
             spec = {**base, "system": system, "dtype": dtype, "quantization": quant,
                     "perplexity": ppl if system == "brigade" and label in ("float32", "int8", "gguf") else None}
             key = f"{model}/{system}/{label}"
+            if key in raw or (args.only and f"{system}/{label}" not in args.only):
+                continue
             print(f"{key} ...", flush=True)
             py, run_env = (vllm_py, vllm_env(args.threads)) if system == "vllm" else (ours, env)
             raw[key] = run_system(py, spec, run_env, args.timeout)
