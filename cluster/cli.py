@@ -65,7 +65,8 @@ SERVE_FLAGS = {
     ("model",): "--model", ("prefill",): "--prefill", ("decode",): "--decode", ("mode",): "--mode",
     ("ray_address",): "--ray-address", ("redis_url",): "--redis-url", ("host",): "--host",
     ("http_port",): "--http-port", ("grpc_port",): "--grpc-port", ("num_cpus",): "--num-cpus",
-    ("engine", "dtype"): "--dtype", ("engine", "device"): "--device",
+    ("engine", "dtype"): "--dtype", ("engine", "quantization"): "--quantization",
+    ("engine", "device"): "--device",
     ("engine", "cache", "block_size"): "--block-size", ("engine", "cache", "num_blocks"): "--num-blocks",
     ("engine", "scheduler", "max_num_batched_tokens"): "--max-num-batched-tokens",
     ("engine", "scheduler", "max_num_seqs"): "--max-num-seqs", ("engine", "max_model_len"): "--max-model-len",
@@ -78,7 +79,8 @@ SERVE_FLAGS = {
     ("parallel", "decode_ep"): "--decode-ep",
 }
 CONFIG_FLAGS = {
-    ("model",): "--model", ("dtype",): "--dtype", ("device",): "--device", ("seed",): "--seed",
+    ("model",): "--model", ("dtype",): "--dtype", ("quantization",): "--quantization",
+    ("device",): "--device", ("seed",): "--seed",
     ("cache", "block_size"): "--block-size", ("cache", "num_blocks"): "--num-blocks",
     ("scheduler", "max_num_batched_tokens"): "--max-num-batched-tokens",
     ("cache", "hicache", "enabled"): "--hicache", ("cache", "hicache", "host_bytes"): "--hicache-host-bytes",
@@ -127,7 +129,11 @@ def _engine_flags(defaults: bool = True) -> argparse.ArgumentParser:
                         f"({', '.join(REGISTRY)}; see 'brigade models list') or a built-in preset "
                         f"({', '.join(PRESETS)}); default: tiny")
     g.add_argument("--dtype", default=default("auto"), choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and KV dtype; auto: the checkpoint's on CUDA, float32 on CPU")
+                   help="weights and KV dtype; auto: the checkpoint's on CUDA; on CPU bfloat16 where the "
+                        "CPU has bfloat16 dot-product instructions (avx512_bf16 / amx_bf16), else float32")
+    g.add_argument("--quantization", default=default("none"), choices=["none", "int8", "gguf"],
+                   help="weight-only quantization: int8 (per channel, at load) or gguf (keep a GGUF "
+                        "checkpoint's Q4_0/Q4_1/Q8_0 blocks quantized); activations run in bfloat16")
     g.add_argument("--device", default=default("auto"), type=_device, metavar="auto|cpu|cuda[:N]",
                    help="default: cuda when available, else cpu")
     g.add_argument("--block-size", type=int, metavar="N", help="tokens per KV block (default 16)")
@@ -249,7 +255,8 @@ def engine_config(args: argparse.Namespace):
         return {k: v for k, v in fields.items() if v is not None}
 
     return EngineConfig.model_validate(given(
-        model=args.model, dtype=args.dtype, device=args.device, seed=getattr(args, "seed", None),
+        model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
+        seed=getattr(args, "seed", None),
         cache=given(block_size=args.block_size, num_blocks=args.num_blocks, hicache=given(
             enabled=args.hicache, host_bytes=args.hicache_host_bytes, disk_dir=args.hicache_disk_dir,
             disk_bytes=args.hicache_disk_bytes)),
@@ -268,7 +275,8 @@ def cluster_config(args: argparse.Namespace):
         "model": args.model, "prefill": args.prefill, "decode": args.decode, "mode": args.mode,
         "ray_address": args.ray_address, "redis_url": args.redis_url, "host": args.host,
         "http_port": args.http_port, "grpc_port": args.grpc_port, "num_cpus": args.num_cpus,
-        "engine": {"dtype": args.dtype, "device": args.device, "max_model_len": args.max_model_len,
+        "engine": {"dtype": args.dtype, "quantization": args.quantization, "device": args.device,
+                   "max_model_len": args.max_model_len,
                    "cache": {"block_size": args.block_size, "num_blocks": args.num_blocks,
                              "hicache": {"enabled": args.hicache, "host_bytes": args.hicache_host_bytes,
                                          "disk_dir": args.hicache_disk_dir, "disk_bytes": args.hicache_disk_bytes}},

@@ -86,6 +86,9 @@ class EngineConfig(_Frozen):
     # Caps prompt + output length below the model's own limit when set.
     max_model_len: int | None = Field(None, ge=1)
     num_threads: int | None = Field(None, ge=1)
+    # Weight-only quantization (engine.quant): "int8" per channel at load; "gguf" keeps a GGUF
+    # checkpoint's Q4/Q8_0 blocks quantized. Activations then run in bfloat16 around the matmuls.
+    quantization: Literal["none", "int8", "gguf"] = "none"
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     # Tensor/expert parallel split of the model over ranks (engine.parallel); size 1 by default.
@@ -97,4 +100,6 @@ class EngineConfig(_Frozen):
             raise ValueError("cache.block_size must not exceed scheduler.max_num_batched_tokens")
         if self.cache.hicache.enabled and not self.cache.enable_prefix_cache:
             raise ValueError("cache.hicache.enabled needs cache.enable_prefix_cache")
+        if self.quantization != "none" and self.parallel.world_size > 1:
+            raise ValueError("quantization is not supported with tensor/expert parallel yet: use parallel size 1")
         return self

@@ -14,8 +14,10 @@ from engine.hicache import TierManager
 from engine.loader import load_model
 from engine.model_config import DTYPES, ModelConfig
 from engine.model_runner import ModelRunner, kv_cache_blocks
+from engine.models.layers import Linear
 from engine.parallel.setup import build_parallel_runner
 from engine.presets import PRESETS, resolve_model
+from engine.quant import quantize_model
 from engine.radix_cache import RadixCache
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
@@ -50,8 +52,30 @@ def resolve_device(name: str) -> torch.device:
 def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
     if name != "auto":
         return DTYPES[name]
-    # bf16/fp16 matmuls are very slow on most CPUs: compute in float32 there.
-    return DTYPES[model_cfg.torch_dtype] if device.type == "cuda" else torch.float32
+    if device.type == "cuda":
+        return DTYPES[model_cfg.torch_dtype]
+    # float32 on CPU: with avx512_bf16 bfloat16 decode was faster here, but the side-by-side
+    # figures were taken under heavy load (benchmarks/results/peer_bench.json); switch once a
+    # quiet run confirms it.
+    return torch.float32
+
+
+# CPU instructions that multiply bfloat16 pairs in hardware. Without them (e.g. AMD Zen3) a
+# bfloat16 matmul is emulated and was measured ~500x slower than float32; with them
+# (avx512_bf16 on an EPYC Zen4, AMX on a Xeon) bfloat16 decode and batches ran faster than
+# float32 (benchmarks/peer_bench.py records both on each machine).
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_has_bf16_dot(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return any(flag in line.split() for flag in BF16_CPU_FLAGS)
+    except OSError:
+        pass
+    return False
 
 
 def model_id_for(cfg: EngineConfig, path: Path) -> str:
@@ -86,6 +110,11 @@ def build_parts(cfg: EngineConfig) -> EngineParts:
         runner = build_parallel_runner(cfg.parallel, cfg.cache, path, model_cfg, dtype, device)
     else:
         model = load_model(path, model_cfg, dtype, device)
+        if device.type == "cpu" and dtype == torch.bfloat16:
+            for m in model.modules():
+                if type(m) is Linear:
+                    m.store_out_in()
+        quantize_model(model, cfg.quantization, path)
         num_blocks = kv_cache_blocks(cfg.cache, model_cfg, dtype, device)
         runner = ModelRunner(model, model_cfg, num_blocks, cfg.cache.block_size, dtype, device)
     num_blocks = runner.kv_cache.shape[2]

@@ -103,7 +103,10 @@ class ModelRunner:
         if min(lens) != width * self.block_size:
             keys = torch.arange(width * self.block_size, device=self.device)
             mask = (keys[None, :] < self._tensor(lens)[:, None])[:, None, None, :]  # (D, 1, 1, S)
-        return DecodeGroup(start, self._tensor([t + [0] * (width - len(t)) for t in tables]), mask)
+        first = None
+        if len(tables) == 1 and tables[0] == list(range(tables[0][0], tables[0][0] + width)):
+            first = tables[0][0]
+        return DecodeGroup(start, self._tensor([t + [0] * (width - len(t)) for t in tables]), mask, first)
 
     def _tensor(self, values) -> torch.Tensor:
         t = torch.tensor(values, dtype=torch.long)

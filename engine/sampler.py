@@ -64,6 +64,14 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     if all(k >= logits.shape[1] for k in top_k) and all(p.top_p >= 1 and p.min_p <= 0 for p in params):
         return logits
     dev = logits.device
+    if all(p.top_p >= 1 and p.min_p <= 0 for p in params):
+        # top-k alone: the k best of each row via topk, no full-vocabulary sort (~10x less
+        # work at k=50 of 50k); keeps exactly the tokens the sorted path below keeps.
+        k_max = max(top_k)
+        best = logits.topk(k_max, dim=-1).indices  # (N, k_max), best first
+        keep_rank = torch.arange(k_max, device=dev).unsqueeze(0) < torch.tensor(top_k, device=dev).unsqueeze(1)
+        keep = torch.zeros_like(logits, dtype=torch.bool).scatter(1, best, keep_rank)
+        return logits.masked_fill(~keep, float("-inf"))
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # (N, V)
     ranks = torch.arange(logits.shape[1], device=dev).unsqueeze(0)
     drop = ranks >= torch.tensor(top_k, device=dev).unsqueeze(1)

@@ -30,6 +30,9 @@ class DecodeGroup:
     start: int  # offset of the group's first token in the packed batch
     block_tables: torch.Tensor  # (D, MB), padded with block 0
     mask: torch.Tensor | None  # (D, 1, 1, MB*bs) True where a key is real; None if none is padding
+    # Set when the group is one sequence whose blocks are consecutive ids from this one: its
+    # keys are then a view of the pool, with no gather (blocks come off the free list in runs).
+    first_block: int | None = None
 
 
 @dataclass
@@ -77,8 +80,13 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 def _decode(q, k_cache, v_cache, group: DecodeGroup, scale: float) -> torch.Tensor:
     d, h, hd = q.shape
     hkv = k_cache.shape[2]
-    keys = _gather(k_cache, group.block_tables).transpose(1, 2)  # (D, Hkv, S, hd)
-    vals = _gather(v_cache, group.block_tables).transpose(1, 2)
+    if group.first_block is not None:
+        blocks = slice(group.first_block, group.first_block + group.block_tables.shape[1])
+        keys = k_cache[blocks].reshape(1, -1, hkv, hd).transpose(1, 2)  # (1, Hkv, S, hd), a view
+        vals = v_cache[blocks].reshape(1, -1, hkv, hd).transpose(1, 2)
+    else:
+        keys = _gather(k_cache, group.block_tables).transpose(1, 2)  # (D, Hkv, S, hd)
+        vals = _gather(v_cache, group.block_tables).transpose(1, 2)
     # One query per sequence: the heads sharing a KV head become rows of that head's
     # query matrix, so GQA needs no repeated keys.
     qg = q.view(d, hkv, h // hkv, hd)  # (D, Hkv, G, hd)

@@ -33,6 +33,16 @@ class Linear(nn.Module):
             self.weight = w
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
+    def store_out_in(self) -> None:
+        """Switch to nn.Linear's (out, in) layout. For bfloat16 on CPU (oneDNN) that layout
+        was as fast for a GEMV and ~1.8x faster for 16-row batches than (in, out), measured
+        on an AVX-512 EPYC; float32 keeps the layout above, whose rounding matches the reference."""
+        if self.transposed:
+            w = self.weight_t.data.t().contiguous()
+            del self.weight_t
+            self.weight = nn.Parameter(w, requires_grad=False)
+            self.transposed = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.transposed:
             return F.linear(x, self.weight, self.bias)
@@ -47,9 +57,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one call; the same result as the reference's steps
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        return self.weight * rms_normalize(x, self.eps)
+        # One call. float32: the same result as the reference's steps. bfloat16/float16: torch
+        # normalises in float32 and rounds once after the weight, where the reference rounds
+        # before it too (one rounding fewer; 5 fewer small ops per norm on a decode step).
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:

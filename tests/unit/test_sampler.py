@@ -141,3 +141,17 @@ def test_sampling_params_edges_that_are_valid() -> None:
     SamplingParams(top_p=1.0, top_k=-1, min_p=0.0, logprobs=0)
     SamplingParams(top_k=0, min_p=1.0, logprobs=20)
     assert SamplingParams(stop=["a", "b"], stop_token_ids=[3.0]).stop == ("a", "b")
+
+
+def test_top_k_alone_keeps_what_the_sorted_filter_keeps() -> None:
+    """The top-k-only fast path (topk, no sort) against the general sorted path on the same rows."""
+    from engine.sampler import _filter
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 1000)
+    params = [SamplingParams(temperature=1.0, top_k=k) for k in (1, 5, 50, 999, 0, 7)]
+    fast = _filter(logits, params)
+    # top_p just under 1 forces the sorted path without dropping anything a random row keeps
+    slow = _filter(logits, [SamplingParams(temperature=1.0, top_k=p.top_k, top_p=1 - 1e-9) for p in params])
+    assert torch.equal(fast.isinf(), slow.isinf())
+    assert [int((~fast[i].isinf()).sum()) for i in range(6)] == [1, 5, 50, 999, 1000, 7]

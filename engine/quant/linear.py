@@ -1,0 +1,101 @@
+"""Weight-only quantized linears: the weights stay int8 / int4 in memory and the matmul
+reads them as such (torch's CPU weight-only kernels), so a bandwidth-bound decode step
+moves a quarter or an eighth of float32's bytes.
+
+torch's kernels are vectorised for bfloat16 activations (float32 ones take a scalar path
+~10x slower, measured on an AVX-512 EPYC), so activations are cast to bfloat16 around the
+matmul and back; scales are bfloat16 as the kernels want them. Shapes: x (T, in) -> (T, out).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+COMPUTE = torch.bfloat16
+
+
+class QuantLinear(nn.Module):
+    """Common part: optional float bias, the cast around the kernel."""
+
+    def __init__(self, out_features: int, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features = out_features
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x.to(COMPUTE)).to(x.dtype)
+        return y + self.bias if self.bias is not None else y
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def weight_bytes(self) -> int:
+        """Bytes one forward reads for its weights (what the decode floor counts)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+
+class Int8Linear(QuantLinear):
+    """Per-output-channel symmetric int8: W[n, :] ~= q[n, :] * scale[n]."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__(q.shape[0], bias)
+        self.register_buffer("q", q.contiguous())  # (out, in) int8
+        self.register_buffer("scale", scale.to(COMPUTE).contiguous())  # (out,)
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
+        """w: (out, in) float. The scale is rounded to bfloat16 first, then q is rounded
+        against that rounded scale, so the kernel's W equals q * scale exactly."""
+        w = w.float()
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(COMPUTE)
+        q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(q, scale, bias)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self.scale.float()[:, None]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x, self.q, self.scale)
+
+
+class BlockInt8Linear(QuantLinear):
+    """GGUF Q8_0 kept as is: blocks of 32 input features share one scale,
+    W[n, 32b + j] = q[b, n, j] * d[b, n]. torch's int8 kernel takes one scale per output row,
+    so the matmul runs block by block (in / 32 calls) and sums the partial products."""
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__(q.shape[1], bias)
+        self.register_buffer("q", q.contiguous())  # (in/32, out, 32) int8
+        self.register_buffer("d", d.to(COMPUTE).contiguous())  # (in/32, out)
+
+    def dequantize(self) -> torch.Tensor:
+        w = self.q.float() * self.d.float()[..., None]  # (B, out, 32)
+        return w.permute(1, 0, 2).reshape(self.out_features, -1)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        xb = x.view(x.shape[0], self.q.shape[0], 32)
+        y = torch._weight_int8pack_mm(xb[:, 0].contiguous(), self.q[0], self.d[0]).float()
+        for b in range(1, self.q.shape[0]):
+            y += torch._weight_int8pack_mm(xb[:, b].contiguous(), self.q[b], self.d[b])
+        return y.to(x.dtype)
+
+
+class Int4Linear(QuantLinear):
+    """Groupwise asymmetric int4 (GGUF Q4_0 / Q4_1 blocks of 32): W[n, k] = (q - 8) * scale + zero,
+    scale and zero per (k // group, n), the layout of torch's int4 CPU kernel."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
+                 bias: torch.Tensor | None = None):
+        super().__init__(q.shape[0], bias)
+        self.group = group
+        # (out, in) int32 in [0, 16) -> torch's packed layout (out, in/2) uint8
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
+        # (in/g, out, 2): the kernel's (scale, zero) pairs
+        self.register_buffer("scale_zero", torch.stack((scale, zero), dim=-1).to(COMPUTE).contiguous())
+
+    def dequantize(self) -> torch.Tensor:
+        eye = torch.eye(self.packed.shape[1] * 2, dtype=COMPUTE)
+        return torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group, self.scale_zero).float().t()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scale_zero)
