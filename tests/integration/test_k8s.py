@@ -33,6 +33,7 @@ import pytest
 import redis as redis_py
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support import wait_for
 
 from cluster.cli import main as brigade
 from cluster.config import ClusterConfig, load_config, redis_url_with_password
@@ -273,7 +274,9 @@ def test_probes_call_the_real_doors(tmp_path: Path) -> None:
         assert all(probe_answer(p, ports, cfg, http, grpc_door) for p in probes.values())
         backend.ok = False  # no live worker of a role: both doors say so, readiness takes the pod out
         grpc_door.attach(backend)
-        assert not any(probe_answer(p, ports, cfg, http, grpc_door) for p in probes.values())
+        # /health answers from a cache of HEALTH_CACHE_S: the probes see the change once it expires.
+        wait_for(lambda: not any(probe_answer(p, ports, cfg, http, grpc_door) for p in probes.values()),
+                 timeout_s=5.0, what="every probe failing once no worker is live")
         backend.ok = True
         http.draining.set()  # SIGTERM: /health answers 503 from the first moment of a drain
         assert not probe_answer(probes["readinessProbe"], ports, cfg, http, grpc_door)
