@@ -15,7 +15,7 @@ import torch
 from engine import CacheConfig, EngineConfig, LLMEngine, RequestOutput, Role, SamplingParams, SchedulerConfig
 from engine.block_pool import BlockPool
 from engine.radix_cache import RadixCache
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence
 
 VOCAB = 512
@@ -148,3 +148,13 @@ def step(sched: Scheduler, sampled: dict[str, int] | None = None) -> list[tuple[
         if s.seq.num_computed == s.seq.num_tokens:
             s.seq.token_ids.append((sampled or {}).get(s.seq.request_id, 7))
     return out
+
+
+def engine_prefill_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
+    """Full-vocabulary logits (V,) of the prompt's last position, straight from the model runner."""
+    seq = Sequence("probe", list(prompt), SamplingParams(), arrival=0)
+    seq.block_table = engine.pool.allocate(-(-len(prompt) // engine.block_size))
+    try:
+        return engine.runner.run([ScheduledSeq(seq, len(prompt))])[0]
+    finally:
+        engine.pool.release(seq.block_table)

@@ -14,12 +14,8 @@ import json
 
 import pytest
 import torch
-from helpers import HF_SPECS, VOCAB, greedy, make_engine, make_prompts
+from helpers import HF_SPECS, VOCAB, engine_prefill_logits, greedy, make_engine, make_prompts
 from transformers import AutoModelForCausalLM
-
-from engine import LLMEngine, SamplingParams
-from engine.scheduler import ScheduledSeq
-from engine.sequence import Sequence
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -40,16 +36,6 @@ def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor
                              output_logits=True, return_dict_in_generate=True)
     logprobs = torch.stack([torch.log_softmax(step[0].float(), dim=-1) for step in out.logits])
     return out.sequences[0, len(prompt):].tolist(), logprobs
-
-
-def engine_prefill_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
-    """Full-vocabulary logits (V,) of the prompt's last position, straight from the model runner."""
-    seq = Sequence("probe", list(prompt), SamplingParams(), arrival=0)
-    seq.block_table = engine.pool.allocate(-(-len(prompt) // engine.block_size))
-    try:
-        return engine.runner.run([ScheduledSeq(seq, len(prompt))])[0]
-    finally:
-        engine.pool.release(seq.block_table)
 
 
 @pytest.mark.parametrize("name", sorted(HF_SPECS))

@@ -11,15 +11,12 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, dequantize, quantize
-from helpers import make_prompts
+from helpers import engine_prefill_logits, make_prompts
 
 from engine import CacheConfig, EngineConfig, LLMEngine
 from engine.engine_setup import cpu_has_bf16_dot
 from engine.quant import Int8Linear
 from engine.quant.gguf_blocks import _int4, _int8, read_blocks
-from engine.sampling import SamplingParams
-from engine.scheduler import ScheduledSeq
-from engine.sequence import Sequence
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -59,15 +56,6 @@ def test_gguf_blocks_read_exactly_and_multiply(kind) -> None:
     _close(lin.dequantize(), ref)
 
 
-def _prefill_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
-    seq = Sequence("probe", list(prompt), SamplingParams(), arrival=0)
-    seq.block_table = engine.pool.allocate(-(-len(prompt) // engine.block_size))
-    try:
-        return engine.runner.run([ScheduledSeq(seq, len(prompt))])[0]
-    finally:
-        engine.pool.release(seq.block_table)
-
-
 def test_int8_engine_tracks_its_float32_reference() -> None:
     def engine(quant: str) -> LLMEngine:
         return LLMEngine(EngineConfig(model="tiny", dtype="float32", quantization=quant,
@@ -78,7 +66,7 @@ def test_int8_engine_tracks_its_float32_reference() -> None:
     prompts = make_prompts([5, 17, 40, 64, 100, 9, 33, 70], seed=3)
     agree, worst = 0, 0.0
     for p in prompts:
-        a, b = _prefill_logits(ref, p), _prefill_logits(q8, p)
+        a, b = engine_prefill_logits(ref, p), engine_prefill_logits(q8, p)
         agree += int(a.argmax() == b.argmax())
         worst = max(worst, ((a - b).abs().max() / a.std()).item())
     assert agree >= 0.9 * len(prompts)
@@ -111,7 +99,7 @@ def test_bfloat16_tracks_its_float32_reference(name, hf_checkpoints) -> None:
     prompts = make_prompts([3, 16, 17, 31, 64, 100, 7, 50] * 2, seed=5)
     agree, worst = 0, 0.0
     for p in prompts:
-        a, b = _prefill_logits(ref, p), _prefill_logits(bf, p)
+        a, b = engine_prefill_logits(ref, p), engine_prefill_logits(bf, p)
         agree += int(a.argmax() == b.argmax())
         worst = max(worst, ((a - b).abs().max() / a.std()).item())
     assert agree >= 0.85 * len(prompts)
