@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
 from engine.block_hash import chain_hashes, salted_root
 from engine.cache_events import CacheEvent
@@ -95,10 +94,7 @@ class MemoryIndexView:
         hashes = self.hashes(prompt, cache_salt)
         hits = self.index.query(hashes, worker_ids)
         self.queries += 1
-        for w in worker_ids:
-            soon = self.recent.leading(hashes, w)
-            if soon > hits[w].blocks:
-                hits[w] = replace(hits[w], blocks=soon, device=hits[w].device + soon - hits[w].blocks)
+        self.recent.raise_hits(hashes, hits, worker_ids)
         return hashes, hits
 
     async def refresh(self) -> None:

@@ -75,10 +75,7 @@ class IndexView:
             self._down(exc)
             return None
         self.queries += 1
-        for w in live:
-            soon = self.recent.leading(hashes, w)
-            if soon > hits[w].blocks:
-                hits[w] = replace(hits[w], blocks=soon, device=hits[w].device + soon - hits[w].blocks)
+        self.recent.raise_hits(hashes, hits, live)
         return hashes, hits
 
     async def refresh(self) -> None:
@@ -134,6 +131,14 @@ class RecentRoutes:
                 break
             n += 1
         return n
+
+    def raise_hits(self, hashes: Sequence[bytes], hits: dict[str, PrefixHit], workers) -> None:
+        """Count blocks routed to a worker moments ago as held on its device, where the index
+        does not show them yet (updates `hits` in place)."""
+        for w in workers:
+            soon = self.leading(hashes, w)
+            if soon > hits[w].blocks:
+                hits[w] = replace(hits[w], blocks=soon, device=hits[w].device + soon - hits[w].blocks)
 
     def _prune(self, now: float) -> None:
         while self._expiries and self._expiries[0][0] <= now:
