@@ -87,7 +87,12 @@ class GrpcServer:
 
     # -- on the loop ----------------------------------------------------------------------
     async def _start(self, host: str, port: int, frontdoor: FrontDoorConfig) -> int:
-        options = [("grpc.max_receive_message_length", frontdoor.max_message_bytes), ("grpc.so_reuseport", 0)]
+        # BDP probing would grow each stream's receive window to megabytes, so an unauthenticated
+        # caller's unsent bytes would land in our buffers before the refusal (measured: 20 refused
+        # 4 MiB calls grew RSS by 98 MB with it, 0.5 MB without; an accepted 4 MiB call on
+        # loopback takes 13 ms instead of 11).
+        options = [("grpc.max_receive_message_length", frontdoor.max_message_bytes), ("grpc.so_reuseport", 0),
+                   ("grpc.http2.bdp_probe", 0)]
         public = (HEALTH_SERVICE,) if frontdoor.auth.public_health else ()
         interceptors = [_AuthInterceptor(self.state.auth, public, self.state.metrics)]
         self._server = grpc.aio.server(interceptors=interceptors, options=options,
@@ -173,11 +178,12 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _denied(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    async def deny(_request, context):
+    """A handler that refuses before reading the request: served as request-streaming whatever
+    the method's kind (the wire format is the same), so gRPC never collects the message; the
+    abort resets the stream and the client's unsent bytes are never received."""
+    async def deny(_requests, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing or unknown bearer token "
                             "(send metadata 'authorization: Bearer TOKEN')")
 
-    kind = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
-    return kind[(handler.request_streaming, handler.response_streaming)](
-        deny, request_deserializer=None, response_serializer=handler.response_serializer)  # the bytes stay unread
+    kind = grpc.stream_stream_rpc_method_handler if handler.response_streaming else grpc.stream_unary_rpc_method_handler
+    return kind(deny, request_deserializer=None, response_serializer=handler.response_serializer)
