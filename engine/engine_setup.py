@@ -14,7 +14,7 @@ from engine.hicache import TierManager
 from engine.loader import load_model
 from engine.model_config import DTYPES, ModelConfig
 from engine.model_runner import ModelRunner, kv_cache_blocks
-from engine.models.layers import Linear
+from engine.models.layers import pack_linears_for_cpu
 from engine.parallel.setup import build_parallel_runner
 from engine.presets import PRESETS, resolve_model
 from engine.quant import quantize_model
@@ -110,11 +110,9 @@ def build_parts(cfg: EngineConfig) -> EngineParts:
         runner = build_parallel_runner(cfg.parallel, cfg.cache, path, model_cfg, dtype, device)
     else:
         model = load_model(path, model_cfg, dtype, device)
-        if device.type == "cpu" and dtype == torch.bfloat16:
-            for m in model.modules():
-                if type(m) is Linear:
-                    m.store_out_in()
         quantize_model(model, cfg.quantization, path)
+        if device.type == "cpu":
+            pack_linears_for_cpu(model, dtype)
         num_blocks = kv_cache_blocks(cfg.cache, model_cfg, dtype, device)
         runner = ModelRunner(model, model_cfg, num_blocks, cfg.cache.block_size, dtype, device)
     num_blocks = runner.kv_cache.shape[2]

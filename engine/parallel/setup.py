@@ -8,6 +8,7 @@ import torch
 from engine.config import CacheConfig
 from engine.model_config import ModelConfig
 from engine.model_runner import kv_cache_blocks
+from engine.models.layers import pack_linears_for_cpu
 from engine.parallel.config import ParallelConfig
 from engine.parallel.group import Group
 from engine.parallel.loader import load_parallel_model
@@ -21,6 +22,8 @@ def build_parallel_runner(parallel: ParallelConfig, cache: CacheConfig, path: Pa
     group = Group.create(parallel, device)
     try:
         model = load_parallel_model(path, plan, dtype, device, group)
+        if device.type == "cpu":
+            pack_linears_for_cpu(model, dtype)
         blocks = agree_num_blocks(group, kv_cache_blocks(cache, plan.local_config(), dtype, device), device)
         runner = ParallelModelRunner(model, plan, blocks, cache.block_size, dtype, device, group)
         return runner.start_keepalive() if runner.is_leader else runner
