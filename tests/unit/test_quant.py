@@ -15,7 +15,8 @@ from helpers import engine_prefill_logits, make_prompts
 
 from engine import CacheConfig, EngineConfig, LLMEngine
 from engine.engine_setup import cpu_has_bf16_dot
-from engine.quant import Int8Linear
+from engine.quant import Int4Linear, Int8Linear
+from engine.quant.linear import DENSE_ROWS
 from engine.quant.gguf_blocks import _int4, _int8, read_blocks
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -54,6 +55,31 @@ def test_gguf_blocks_read_exactly_and_multiply(kind) -> None:
     x = torch.randn(3, 128)
     _close(lin(x), x @ ref.t())
     _close(lin.dequantize(), ref)
+
+
+def test_int4_unpacking_reads_torchs_packed_layout() -> None:
+    """dequantize() unpacks torch's CPU int4 layout itself; the kernel, multiplying an
+    identity, is the reference. Rows: two runs of 64 and one of a layout it leaves to the kernel."""
+    torch.manual_seed(0)
+    for rows in (128, 96):
+        q = torch.randint(0, 16, (rows, 128), dtype=torch.int32)
+        lin = Int4Linear(q, torch.rand(4, rows) * 0.1, torch.randn(4, rows) * 0.1, 32)
+        eye = torch.eye(128, dtype=torch.bfloat16)
+        ref = torch._weight_int4pack_mm_for_cpu(eye, lin.packed, 32, lin.scale_zero).float().t()
+        _close(lin.dequantize(), ref, frac=0.005)  # the kernel rounds its output to bfloat16
+
+
+@pytest.mark.parametrize("rows", [3, DENSE_ROWS, 100])
+def test_quantized_linears_agree_below_and_above_the_dense_row_count(rows) -> None:
+    """A prefill chunk (dense bfloat16 matmul of the dequantized weight) and a decode batch
+    (the weight-only kernels) compute the same product."""
+    torch.manual_seed(1)
+    w = torch.randn(128, 64)
+    q4 = Int4Linear(torch.randint(0, 16, (128, 64), dtype=torch.int32), torch.rand(2, 128) * 0.1,
+                    torch.randn(2, 128) * 0.1, 32)
+    x = torch.randn(rows, 64)
+    for lin in (Int8Linear.quantize(w), q4):
+        _close(lin(x), x @ lin.dequantize().t())
 
 
 def test_int8_engine_tracks_its_float32_reference() -> None:
