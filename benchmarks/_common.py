@@ -177,6 +177,13 @@ def measure_copy_bandwidth(mib: int = 256, reps: int = 7) -> dict[str, Any]:
     }
 
 
+def unique_weights(model: Any) -> list[Any]:
+    """A model's parameters and weight buffers (quantized bytes, oneDNN-packed matrices; not the
+    rotary tables), each storage once. Packed tensors have no data pointer: they count by id."""
+    tensors = [*model.parameters(), *(b for n, b in model.named_buffers() if not n.startswith("rotary."))]
+    return list({(id(t) if t.is_mkldnn else t.data_ptr()): t for t in tensors}.values())
+
+
 def summarize(samples: Iterable[float]) -> dict[str, float]:
     """Median, mean, min, max, p10, p90 and count of a list of timings (same unit as input)."""
     xs = sorted(samples)

@@ -125,11 +125,10 @@ def profile_decode(engine, spec: dict) -> dict:
 def weight_bytes_per_step(model) -> int:
     """Weight bytes one decode step reads: every matrix once (quantized ones as stored), the
     embedding table one row (the LM head is its own copy in this engine)."""
-    seen, total = set(), 0
-    for t in list(model.parameters()) + [b for n, b in model.named_buffers() if not n.startswith("rotary.")]:
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
+    sys.path[:0] = [str(Path(__file__).resolve().parent)]
+    from _common import unique_weights
+
+    total = sum(t.numel() * t.element_size() for t in unique_weights(model))
     e = model.embed_tokens.weight
     return total - e.numel() * e.element_size() + e.shape[1] * e.element_size()
 

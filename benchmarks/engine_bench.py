@@ -133,7 +133,7 @@ def weight_bytes_per_step(model: torch.nn.Module) -> dict:
     embed = model.embed_tokens.weight
     head_ptrs = {p.data_ptr() for p in model.lm_head.parameters()}
     shared = embed.data_ptr() in head_ptrs
-    unique = {p.data_ptr(): p for p in model.parameters()}
+    unique = {id(p): p for p in C.unique_weights(model)}
     total = sum(p.numel() * p.element_size() for p in unique.values())
     embed_bytes = embed.numel() * embed.element_size()
     row = embed.shape[1] * embed.element_size()
@@ -176,14 +176,17 @@ def _instrument(engine: LLMEngine, sink: dict) -> None:
 
 def _linear_modules(model: torch.nn.Module) -> list[tuple[torch.nn.Module, int]]:
     """(module, in_features) for every matmul layer: nn.Linear or a Linear-like module whose own
-    2-D parameter is `weight` (out, in) or `weight_t` (in, out). Shared modules appear once."""
+    2-D parameter is `weight` (out, in) or `weight_t` (in, out), or whose weight oneDNN holds
+    packed (out, in). Shared modules appear once."""
     found, seen = [], set()
     for m in model.modules():
         if isinstance(m, torch.nn.Embedding):
             continue
         own = dict(m.named_parameters(recurse=False))
-        w, wt = own.get("weight"), own.get("weight_t")
-        if wt is not None and wt.dim() == 2:
+        w, wt, packed = own.get("weight"), own.get("weight_t"), getattr(m, "packed", None)
+        if packed is not None:
+            ptr, fan_in = id(packed), packed.shape[1]
+        elif wt is not None and wt.dim() == 2:
             ptr, fan_in = wt.data_ptr(), wt.shape[0]
         elif w is not None and w.dim() == 2:
             ptr, fan_in = w.data_ptr(), w.shape[1]
