@@ -80,7 +80,7 @@ def run_brigade(spec: dict) -> dict:
 
 # op -> class, for the per-op-class profile of a decode step
 _OP_CLASS = {
-    "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int8pack_mm",
+    "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::_weight_int8pack_mm",
                "aten::_weight_int4pack_mm_for_cpu"),
     "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::index_select", "aten::index_copy_"),
     "norm": ("aten::_fused_rms_norm",),
@@ -90,24 +90,7 @@ _OP_CLASS = {
 }
 
 
-def profile_decode(engine, spec: dict) -> dict:
-    """Where a bs1 decode step's time goes, by op class (torch.profiler self CPU time, summed
-    over the step's threads' main thread), against the step's wall time: the rest is Python
-    and framework overhead around the ops (scheduler, input prep, detokenizer, dispatch)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from engine import SamplingParams
-
-    steps = spec["profile_steps"]
-    prompt = spec["bs1"]["decode_prompts"][0]
-    engine.add_request("profile", prompt, SamplingParams(max_tokens=steps + 9, temperature=0.0, ignore_eos=True))
-    for _ in range(9):  # prefill + warm-up steps
-        engine.step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        wall = (time.perf_counter() - t0) / steps
+def _by_class(prof, steps: int, wall: float) -> dict:
     by_class: dict[str, float] = {}
     others: dict[str, float] = {}
     for ev in prof.key_averages():
@@ -116,10 +99,52 @@ def profile_decode(engine, spec: dict) -> dict:
         by_class[cls] = by_class.get(cls, 0.0) + t
         if cls == "other ops":
             others[ev.key] = t
-    ops = sum(by_class.values())
     top_other = dict(sorted(others.items(), key=lambda kv: -kv[1])[:8])
-    return {"step_wall_s": wall, "by_class_s": by_class, "ops_total_s": ops, "top_other_ops_s": top_other,
-            "note": "profiler on: the step is slower than unprofiled; shares, not absolute times, count"}
+    return {"step_wall_s": wall, "by_class_s": by_class, "ops_total_s": sum(by_class.values()),
+            "top_other_ops_s": top_other}
+
+
+def _profiled(engine, steps: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = (time.perf_counter() - t0) / steps
+    return _by_class(prof, steps, wall)
+
+
+def profile_decode(engine, spec: dict) -> dict:
+    """Where Brigade's time goes, by op class (torch.profiler self CPU time of the main thread,
+    per step), for the three workloads: the bs1 decode step, the 512-token prefill (TTFT), and
+    a decode step of the 16-prompt batch. Against each step's wall time, the rest is Python and
+    framework overhead around the ops (scheduler, input prep, detokenizer, dispatch)."""
+    from engine import SamplingParams
+
+    steps = spec["profile_steps"]
+    prompt = spec["bs1"]["decode_prompts"][0]
+    greedy = SamplingParams(max_tokens=steps + 9, temperature=0.0, ignore_eos=True)
+    engine.add_request("profile", prompt, greedy)
+    engine.step()  # the prefill, unprofiled: allocators warm
+    for _ in range(8):
+        engine.step()
+    out = {"decode_bs1": _profiled(engine, steps)}
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request("profile-prefill", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    out["prefill_bs1"] = _profiled(engine, 1)
+    while engine.has_unfinished():
+        engine.step()
+    for i, p in enumerate(spec["batch"]["prompts"]):
+        engine.add_request(f"profile-batch-{i}", p, greedy)
+    for _ in range(len(spec["batch"]["prompts"]) + 4):  # every prompt prefilled, decode running
+        engine.step()
+    out["decode_batch"] = _profiled(engine, steps)
+    while engine.has_unfinished():
+        engine.step()
+    out["note"] = "profiler on: steps are slower than unprofiled; shares, not absolute times, count"
+    return out
 
 
 def weight_bytes_per_step(model) -> int:

@@ -14,12 +14,12 @@ from engine.models.grouped_moe import grouped_experts, use_grouped_mm
 
 
 class Linear(nn.Module):
-    """y = x @ W^T + b, with W stored in whichever layout streams faster for a batch-1 GEMV.
-
-    Decode is bandwidth-bound, and on CPU (MKL) a GEMV that widens (out >= in) streams
-    W^T stored (in, out) about twice as fast as nn.Linear's (out, in) (measured ~20 vs
-    ~9 GB/s), while one that narrows is slightly faster in (out, in). The parameter is
-    named `weight_t` in the first case and `weight` in the second; the loader fills both.
+    """y = x @ W^T + b. On CPU the engine packs W for oneDNN after loading (pack_for_cpu);
+    until then, and on CUDA, W is a parameter in whichever layout streamed faster for a
+    batch-1 GEMV through MKL: a GEMV that widens (out >= in) read W^T stored (in, out) about
+    twice as fast as nn.Linear's (out, in) (measured ~20 vs ~9 GB/s), one that narrows was
+    slightly faster in (out, in). The parameter is named `weight_t` in the first case and
+    `weight` in the second; the loader fills both.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
