@@ -199,7 +199,9 @@ class DecodeWorker(EngineWorker):
         return self.loop.call(admit)
 
     def generate_local(self, req: GenerateRequest, sink: Sink) -> Future[None]:
-        return self.loop.add_request(req.request_id, req.prompt_token_ids, req.params, sink, req.cache_salt)
+        # the door checked the request when it built it: the engine checks only what needs its pool
+        return self.loop.add_request(req.request_id, req.prompt_token_ids, req.params, sink, req.cache_salt,
+                                     checked=True)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Free the request's blocks, wherever it is; its final ("abort") output, or None when

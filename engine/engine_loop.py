@@ -85,9 +85,11 @@ class EngineLoop:
     def unwatch_now(self, request_id: str) -> None:
         self._sinks.pop(request_id, None)
 
-    def add_request(self, request_id: str, prompt, params, sink: Sink, cache_salt: str | None = None) -> Future[None]:
+    def add_request(self, request_id: str, prompt, params, sink: Sink, cache_salt: str | None = None, *,
+                    checked: bool = False) -> Future[None]:
+        """Queue a request (LLMEngine.add_request; `checked` as there); its outputs go to `sink`."""
         def add(engine: LLMEngine) -> None:
-            engine.add_request(request_id, prompt, params, cache_salt)
+            engine.add_request(request_id, prompt, params, cache_salt, checked=checked)
             self._sinks[request_id] = sink
         return self.call(add)
 

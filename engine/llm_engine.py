@@ -60,13 +60,21 @@ class LLMEngine:
                       num_blocks=self.pool.num_blocks)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-                    cache_salt: str | None = None) -> None:
-        """Queue a request; with `cache_salt` its prefix blocks are shared only with the same salt."""
+                    cache_salt: str | None = None, *, checked: bool = False) -> None:
+        """Queue a request; with `cache_salt` its prefix blocks are shared only with the same salt.
+
+        `checked`: the request was checked against this model where it was built (a door's
+        Backend.validate, before the GenerateRequest crossed to a worker), so only what needs
+        this engine's own knowledge is checked here: its pool, its scheduler, its request ids.
+        Unchecked (the engine used directly), the whole check runs here."""
         params = params or SamplingParams()
         if request_id in self.seqs or request_id in self.prefilled or request_id in self.reservations:
             raise InvalidRequest("request_id", f"request {request_id!r} is already in this engine")
         token_ids = self.tokenize(prompt)
-        self.validate(token_ids, params)
+        if checked:
+            check_fits(token_ids, params, block_size=self.block_size, num_blocks=self.pool.num_blocks)
+        else:
+            self.validate(token_ids, params)
         sched = self.config.scheduler
         if not sched.enable_chunked_prefill and len(token_ids) > sched.max_num_batched_tokens:
             # Unchunked, such a prompt would wait forever for a step big enough to hold it.
@@ -283,10 +291,12 @@ class LLMEngine:
         """Continue a prefilled request whose KV is already in its reserved blocks.
 
         A request the first token already finishes (EOS, max_tokens=1) is reported by the
-        next step() and its blocks are freed; a refused one frees its reservation.
+        next step() and its blocks are freed; a refused one frees its reservation. The request
+        was checked where it was built (a door, or import_kv): only whether its whole output
+        fits this engine's pool is checked here.
         """
         try:
-            self.validate(prompt_token_ids, params)
+            check_fits(prompt_token_ids, params, block_size=self.block_size, num_blocks=self.pool.num_blocks)
         except InvalidRequest:
             self.pool.release(self.reservations.pop(request_id, []))
             raise
@@ -341,7 +351,9 @@ class LLMEngine:
 def check_request(token_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
                   block_size: int, num_blocks: int) -> None:
     """Raise InvalidRequest naming the field if the request can never run on an engine of this
-    shape. Also used where no engine lives (the cluster's front door), so errors read the same."""
+    shape. The request's one check, where it is built: the cluster's doors (Backend.validate,
+    where no engine lives), or LLMEngine.add_request / import_kv when the engine is used
+    directly. Workers trust the GenerateRequest and run only check_fits, on their own pool."""
     if not token_ids:
         raise InvalidRequest("prompt", "prompt is empty")
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
@@ -362,6 +374,13 @@ def check_request(token_ids: list[int], params: SamplingParams, *, vocab_size: i
     if params.resumed_tokens >= len(token_ids):
         raise InvalidRequest("resumed_tokens", f"{params.resumed_tokens} resumed tokens leave no prompt of the "
                                                f"{len(token_ids)} tokens")
+    check_fits(token_ids, params, block_size=block_size, num_blocks=num_blocks)
+
+
+def check_fits(token_ids: list[int], params: SamplingParams, *, block_size: int, num_blocks: int) -> None:
+    """Raise InvalidRequest if the prompt and its whole output can never be in a pool of
+    `num_blocks`: the one part of the request check a worker runs, since only it knows its pool."""
+    total = len(token_ids) + params.max_tokens
     if -(-total // block_size) > num_blocks:
         raise InvalidRequest("max_tokens", f"needs {-(-total // block_size)} KV blocks; "
                                            f"the pool has {num_blocks}")

@@ -95,7 +95,9 @@ class PrefillWorker(EngineWorker):
                 req.request_id, out.new_token_ids[0], out.new_text, out.finished, out.finish_reason, out.usage,
                 out.logprobs[-1] if out.logprobs else None, queue_s=0.0, prefill_s=time.monotonic() - start))
 
-        added = self.loop.add_request(req.request_id, req.prompt_token_ids, req.params, sink, req.cache_salt)
+        # the door checked the request when it built it: the engine checks only what needs its pool
+        added = self.loop.add_request(req.request_id, req.prompt_token_ids, req.params, sink, req.cache_salt,
+                                      checked=True)
         added.add_done_callback(lambda f: f.exception() is not None and not result.done()
                                 and result.set_exception(f.exception()))
         return result

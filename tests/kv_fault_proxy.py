@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
+from support import wait_for
 
 TO_SERVER, TO_CLIENT = "to_server", "to_client"  # from the connecting rank, and back
 
@@ -275,13 +276,9 @@ def proxied_pair(n: int = 1, timeout_s: float = 1.0, host: str = "127.0.0.1"):
     threads = [threading.Thread(target=build, args=(r,)) for r in (0, 1)]
     [t.start() for t in threads]
     [t.join() for t in threads]
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        used = [p for st in stores for p in st.proxies if p.connections]
-        if used:
-            for p in (p for st in stores for p in st.proxies if p is not used[0]):
-                p.close()
-            used[0].keep = server  # the rendezvous store lives as long as the pair
-            return links[1], links[0], used[0]
-        time.sleep(0.01)
-    raise RuntimeError("the pair did not connect through a proxy")
+    used = wait_for(lambda: [p for st in stores for p in st.proxies if p.connections], 5,
+                    "the pair connected through a proxy", 0.01)[0]
+    for p in (p for st in stores for p in st.proxies if p is not used):
+        p.close()
+    used.keep = server  # the rendezvous store lives as long as the pair
+    return links[1], links[0], used

@@ -6,8 +6,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from support import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,11 +39,9 @@ def run_group(model: Path, tmp: Path, prompts: list[list[int]], *, tp: int = 1, 
 
 def finish(procs: list[subprocess.Popen], timeout_s: float = 90) -> None:
     """Wait for every rank; on a failure or a hang kill the rest and fail with all their logs."""
-    deadline = time.monotonic() + timeout_s
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        if any(p.returncode not in (None, 0) for p in procs):
-            break  # one rank failed: the others would only wait out their timeouts
-        time.sleep(0.1)
+    # every rank done, or one failed: the others would only wait out their timeouts
+    wait_for(lambda: all(p.poll() is not None for p in procs) or any(p.returncode not in (None, 0) for p in procs),
+             timeout_s, raise_on_timeout=False)
     for p in procs:
         if p.poll() is None:
             p.kill()

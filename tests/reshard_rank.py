@@ -14,11 +14,11 @@ from __future__ import annotations
 import json
 import math
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from support import wait_for  # tests/ is on the path: this script's own folder
 
 from engine import CacheConfig, EngineConfig, LLMEngine, Role, SamplingParams, SchedulerConfig
 from engine.parallel import ParallelConfig
@@ -36,15 +36,13 @@ def write_atomic(path: Path, value) -> None:
 
 def wait_file(path: Path, key: str | None = None, timeout_s: float = 120.0):
     """The JSON in `path` once it exists (and holds `key`)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def ready():
         if path.exists():
             value = json.loads(path.read_text())
             if key is None or key in value:
                 return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} did not appear (or lacks {key!r})")
-        time.sleep(0.05)
+        return None
+    return wait_for(ready, timeout_s, f"{path} written" + (f" with {key!r}" if key else ""), 0.05)
 
 
 def build(args: dict, role: Role) -> tuple[LLMEngine, ParallelConfig]:

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from serve_process import Served, brigade_serve, find_process
-from support import FULL  # noqa: E402  (tests/ is on the path: tests/conftest.py)
+from support import FULL, wait_for  # noqa: E402  (tests/ is on the path: tests/conftest.py)
 
 MAX_RUNNING, MAX_WAITING = 2, 4
 CAPACITY = MAX_RUNNING + MAX_WAITING
@@ -150,21 +150,22 @@ async def probe_full_queue(served: Served, probes: int) -> tuple[list, dict]:
                 pass
 
         fillers = [asyncio.create_task(filler()) for _ in range(CAPACITY)]
-        deadline = time.monotonic() + 60
-        while ((health := (await h.get("/health")).json())["running"], health["waiting"]) != (MAX_RUNNING, MAX_WAITING):
-            assert time.monotonic() < deadline, health
-            await asyncio.sleep(0.05)
+        await asyncio.to_thread(wait_for, lambda: holding(served, MAX_RUNNING, MAX_WAITING), 60,
+                                "the fillers holding the router full", 0.05)
         results = []
         for i in range(2 * probes):
             results.append(("http", *await http_one(h)) if i % 2 else ("grpc", *await grpc_one(g)))
         for f in fillers:
             f.cancel()
         await asyncio.gather(*fillers, return_exceptions=True)
-        deadline = time.monotonic() + 30
-        while ((health := (await h.get("/health")).json())["running"], health["waiting"]) != (0, 0):
-            assert time.monotonic() < deadline, health
-            await asyncio.sleep(0.05)
+        health = await asyncio.to_thread(wait_for, lambda: holding(served, 0, 0), 30, "the router idle", 0.05)
     return results, health
+
+
+def holding(served: Served, running: int, waiting: int) -> dict | None:
+    """/health once the router holds exactly `running` and `waiting` requests."""
+    health = httpx.get(f"{served.http_base}/health", timeout=30).json()
+    return health if (health["running"], health["waiting"]) == (running, waiting) else None
 
 
 @pytest.mark.timeout(300)

@@ -12,10 +12,10 @@ import asyncio
 import dataclasses
 import os
 import random
-import time
 
 import pytest
 import ray
+from support import wait_for
 
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from engine.messages import GenerateRequest
@@ -48,16 +48,12 @@ def engine():
 
 def wait_pools_whole(cluster, timeout_s: float = 15.0) -> None:
     """Every live worker's KV pool back to whole: the dead worker's requests leaked nothing elsewhere."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def busy() -> dict:
         stats = {k: s for k, s in cluster.stats().items() if "error" not in s}
-        busy = {k: s for k, s in stats.items()
+        return {k: s for k, s in stats.items()
                 if s["free_blocks"] != s["num_blocks"] or s["running"] or s["waiting"] or s.get("reserved")
                 or s.get("pinned_exports")}
-        if not busy:
-            return
-        assert time.monotonic() < deadline, f"pools not whole: {busy}"
-        time.sleep(0.1)
+    wait_for(lambda: not busy(), timeout_s, lambda: f"every pool whole; busy: {busy()}")
 
 
 async def stream(router, rid: str, prompt: list[int], ready: asyncio.Event,

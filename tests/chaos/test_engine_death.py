@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import pytest
 import ray
 from serve_process import Served, brigade_serve, ray_address
+from support import wait_for
 
 HEALTH_INTERVAL_S = 0.5
 GRACE_S = 3.0  # the supervisor's: long enough to see the door NOT_SERVING first
@@ -105,14 +106,17 @@ class GrpcStream(threading.Thread):
         self.first.set()
 
 
-def first_time(deadline: float, checks: dict) -> dict[str, float]:
-    """Poll every check until each has held once; the seconds (from now) each first held."""
+def first_time(timeout_s: float, checks: dict) -> dict[str, float]:
+    """Poll every check until each has held once; the seconds (from now) each first held
+    (the ones that never did within `timeout_s` are missing)."""
     start, found = time.monotonic(), {}
-    while len(found) < len(checks) and time.monotonic() < start + deadline:
+
+    def all_held() -> bool:
         for name, check in checks.items():
             if name not in found and check():
                 found[name] = time.monotonic() - start
-        time.sleep(0.02)
+        return len(found) == len(checks)
+    wait_for(all_held, timeout_s, interval_s=0.02, raise_on_timeout=False)
     return found
 
 

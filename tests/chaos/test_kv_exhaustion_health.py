@@ -30,7 +30,7 @@ from router.index.registry import connect
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
-from support import FULL  # noqa: E402  (tests/ is on the path: tests/conftest.py)
+from support import FULL, wait_for  # noqa: E402  (tests/ is on the path: tests/conftest.py)
 
 STREAMS = 32 if FULL else 8
 VOCAB = 4096  # the tiny preset's
@@ -107,18 +107,14 @@ def test_redis_stopped_under_load_loses_no_request_and_the_index_resyncs(cluster
         results = asyncio.run(asyncio.wait_for(main(), 120))
         errors = [r for r in results if isinstance(r, BaseException)]
         done = [r for r in results if not isinstance(r, BaseException) and r[1].finish_reason == "length"]
-        deadline = time.monotonic() + 20
-        while index_available(cluster):  # the router saw it go: the resync below is a real one
-            assert time.monotonic() < deadline, "the router never noticed Redis was down"
-            time.sleep(0.05)
+        # the router saw it go: the resync below is a real one
+        wait_for(lambda: not index_available(cluster), 20, "the router noticing Redis was down", 0.05)
     finally:
         redis_server.start()  # empty, on the same port
     t0 = time.monotonic()
-    deadline = t0 + 30
     index = PrefixIndex(connect(redis_server.url), cluster.cfg.index.key_prefix, tiny_model_id())
-    while not (index_available(cluster) and len(index.live_epochs()) == len(cluster.workers)):
-        assert time.monotonic() < deadline, "the index did not come back within 30 s of Redis' restart"
-        time.sleep(0.05)
+    wait_for(lambda: index_available(cluster) and len(index.live_epochs()) == len(cluster.workers), 30,
+             "the index and every worker's lease back after Redis' restart", 0.05)
     resync_s = time.monotonic() - t0
     print(f"\nredis down: {len(results)} requests ({STREAMS} in flight at the stop, {STREAMS} sent while down), "
           f"{len(errors)} errors, {len(done)} complete; index and leases back {resync_s:.2f} s after restart")
@@ -135,10 +131,9 @@ def test_a_dead_worker_is_marked_unhealthy_and_gets_no_new_request(cluster, chao
     victim = sorted(workers)[0]
     t0 = time.monotonic()
     ray.kill(cluster.workers[victim], no_restart=True)
-    while ray.get(cluster.router.status.remote())["workers"][victim]["healthy"]:
-        # a liveness bound, not a speed goal: the issue's "not alive within 5 s", plus one check's period
-        assert time.monotonic() - t0 < 5 + HEALTH_INTERVAL_S, f"{victim} still healthy 5 s after its death"
-        time.sleep(0.02)
+    # a liveness bound, not a speed goal: the issue's "not alive within 5 s", plus one check's period
+    wait_for(lambda: not ray.get(cluster.router.status.remote())["workers"][victim]["healthy"],
+             5 + HEALTH_INTERVAL_S, f"the router marking {victim} unhealthy after its death", 0.02)
     seconds = time.monotonic() - t0
     rng = random.Random(6)
     batch = [[rng.randrange(3, VOCAB) for _ in range(20)] for _ in range(4)]

@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 from serve_process import Served, brigade_serve, find_process, serve_processes
+from support import wait_for
 
 from cluster.watchdog import EXIT_FAILED
 
@@ -40,15 +41,6 @@ def gone(p: psutil.Process) -> bool:
         return True
 
 
-def wait_for_log(served: Served, text: str, timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while text not in served.log.read_text():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
 def assert_exits_failed(served: Served, victim: psutil.Process, says: str, chaos_figure, name: str) -> None:
     procs = serve_processes(served)
     start = time.monotonic()
@@ -60,10 +52,8 @@ def assert_exits_failed(served: Served, victim: psutil.Process, says: str, chaos
     chaos_figure(name, raw_exit_code=code, seconds_to_exit=seconds)
     assert code == EXIT_FAILED, log[-3000:]
     assert says in log and "start `brigade serve` again" in log and f"exit code {EXIT_FAILED}" in log, log[-3000:]
-    deadline = time.monotonic() + 15
-    while (left := [p for p in procs if not gone(p)]) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not left, [" ".join(p.cmdline())[:80] for p in left]
+    wait_for(lambda: all(gone(p) for p in procs), 15,
+             lambda: f"every process gone; left: {[' '.join(p.cmdline())[:80] for p in procs if not gone(p)]}", 0.2)
 
 
 @pytest.mark.timeout(300)
@@ -73,7 +63,8 @@ def test_a_dead_redis_is_restarted_and_a_dead_router_ends_serve_with_exit_3(tmp_
         redis = find_process(served, "redis-server")
         redis_cmdline = redis.cmdline()  # names its port
         redis.send_signal(signal.SIGKILL)
-        assert wait_for_log(served, "redis: embedded redis-server back on port"), served.log.read_text()[-3000:]
+        wait_for(lambda: "redis: embedded redis-server back on port" in served.log.read_text(), 30,
+                 lambda: f"serve logging redis' restart; the log ends:\n{served.log.read_text()[-3000:]}")
         restarted = find_process(served, "redis-server")
         assert restarted.pid != redis.pid and restarted.cmdline() == redis_cmdline  # same port
         assert served.proc.poll() is None

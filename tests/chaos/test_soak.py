@@ -33,6 +33,7 @@ import time
 import psutil
 import pytest
 from ray_processes import actor_processes
+from support import wait_for
 from test_decode_kill import VOCAB
 
 from cluster.config import SupervisorConfig
@@ -189,16 +190,18 @@ def rss_drift(samples: list[tuple[float, dict]], end_s: float) -> tuple[dict, fl
     return per, total
 
 
+def held_blocks(cluster) -> dict[str, int]:
+    """Blocks (and requests) each live worker holds."""
+    stats = {k: s for k, s in cluster.stats().items() if "error" not in s}
+    return {k: s["num_blocks"] - s["free_blocks"] + s["running"] + s["waiting"] + s.get("reserved", 0)
+            + s.get("pinned_exports", 0) for k, s in stats.items()}
+
+
 def leaked_blocks(cluster, timeout_s: float = 60.0) -> tuple[int, dict]:
     """Blocks (and requests) still held once idle: waits up to `timeout_s` for the pools to be whole."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = {k: s for k, s in cluster.stats().items() if "error" not in s}
-        held = {k: s["num_blocks"] - s["free_blocks"] + s["running"] + s["waiting"] + s.get("reserved", 0)
-                + s.get("pinned_exports", 0) for k, s in stats.items()}
-        if not any(held.values()) or time.monotonic() > deadline:
-            return sum(held.values()), held
-        time.sleep(0.5)
+    wait_for(lambda: not any(held_blocks(cluster).values()), timeout_s, interval_s=0.5, raise_on_timeout=False)
+    held = held_blocks(cluster)
+    return sum(held.values()), held
 
 
 @pytest.fixture(scope="module")

@@ -243,8 +243,8 @@ def test_abort_while_prefilling_ends_the_stream_and_frees_both_sides(cluster):
 
     async def main():
         stream = cluster.router.generate.remote(GenerateRequest("abort-early", LONG_PROMPT, params))
-        while not (await cluster.router.status.remote())["running"]:
-            await asyncio.sleep(0.001)
+        await asyncio.to_thread(wait_for, lambda: ray.get(cluster.router.status.remote())["running"], 30,
+                                "the router taking the request", 0.001)
         await asyncio.sleep(0.05)
         assert await cluster.router.abort.remote("abort-early")
         tokens, last = [], None

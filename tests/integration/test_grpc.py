@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -177,10 +176,10 @@ def test_a_cancelled_task_while_prefilling_frees_the_kv(door, cluster) -> None:
                 return [c async for c in client.stream(long_prompt, max_tokens=50, temperature=0.0)]
 
             task = asyncio.create_task(consume())
-            deadline = time.monotonic() + 30
-            while (await cl.router.status.remote())["running"] == 0:  # admitted: now on the workers
-                assert time.monotonic() < deadline and not task.done()
-                await asyncio.sleep(0.01)
+            # admitted: now on the workers
+            await asyncio.to_thread(wait_for, lambda: ray.get(cl.router.status.remote())["running"] or task.done(),
+                                    30, "the request admitted", 0.01)
+            assert not task.done(), "the stream ended before it could be cancelled"
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task

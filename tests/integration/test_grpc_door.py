@@ -10,7 +10,6 @@ import asyncio
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -158,9 +157,7 @@ def test_calls_over_max_concurrent_rpcs_are_resource_exhausted_at_once() -> None
     try:
         with Client(server.address, max_retries=0, timeout=30) as client, ThreadPoolExecutor(2) as pool:
             held = [pool.submit(lambda: list(client.stream("hi"))) for _ in range(2)]
-            deadline = time.monotonic() + 20
-            while len(backend.calls) < 2 and time.monotonic() < deadline:
-                time.sleep(0.02)
+            wait_for(lambda: len(backend.calls) >= 2, 20, "both calls in the backend", 0.02)
             with pytest.raises(ResourceExhausted):
                 client.generate("hi")  # the third at once: refused, not queued
             release.set()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -18,6 +17,7 @@ import openai
 import pytest
 import ray
 from invalid_cases import CASES, Limits
+from support import wait_for
 
 from cluster.backend import ClusterBackend
 from cluster.launch import Cluster
@@ -78,14 +78,11 @@ def reference(served: Served) -> dict[str, list[int]]:
 
 
 def pools_whole(cluster: Cluster, timeout_s: float = 10.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def whole() -> dict | None:
         stats = cluster.stats()
-        if all(s["free_blocks"] == s["num_blocks"] and s["referenced_blocks"] == 0 and s["running"] == 0
-               and s["waiting"] == 0 and s.get("pinned_exports", 0) == 0 for s in stats.values()):
-            return stats
-        assert time.monotonic() < deadline, f"KV pools not whole within {timeout_s:g}s: {stats}"
-        time.sleep(0.1)
+        return stats if all(s["free_blocks"] == s["num_blocks"] and s["referenced_blocks"] == 0 and s["running"] == 0
+                            and s["waiting"] == 0 and s.get("pinned_exports", 0) == 0 for s in stats.values()) else None
+    return wait_for(whole, timeout_s, lambda: f"KV pools whole; now {cluster.stats()}")
 
 
 @pytest.mark.timeout(240)
@@ -183,8 +180,5 @@ def test_a_client_that_leaves_mid_stream_frees_its_kv(served: Served) -> None:
     stats = pools_whole(served.cluster)
     assert all(s["free_blocks"] == NUM_BLOCKS for s in stats.values())
     # The router lets go of the request when its generator closes, a moment after the workers did.
-    deadline = time.monotonic() + 10
-    while (running := ray.get(served.cluster.router.status.remote())["running"]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert running == 0
+    wait_for(lambda: ray.get(served.cluster.router.status.remote())["running"] == 0, 10, "the router idle", 0.05)
     assert cancelled() == before + 1

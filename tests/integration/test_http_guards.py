@@ -10,6 +10,7 @@ import socket
 import time
 
 import pytest
+from support import wait_for
 from test_http_api import post, start
 
 from router.config import FrontDoorConfig
@@ -78,9 +79,7 @@ def test_connections_over_the_cap_get_503_at_once() -> None:
         idle = [connect(server) for _ in range(3)]
         for s in idle:  # each holds a handler thread, waiting for its request line
             s.sendall(b"G")
-        deadline = time.monotonic() + 20
-        while server.cap.open < 3 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_for(lambda: server.cap.open >= 3, 20, "3 connections open", 0.02)
         extra = connect(server)
         extra.settimeout(10)
         reply = extra.recv(4096)
@@ -88,9 +87,7 @@ def test_connections_over_the_cap_get_503_at_once() -> None:
         extra.close()
         for s in idle:
             s.close()
-        deadline = time.monotonic() + 20
-        while server.cap.open and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_for(lambda: server.cap.open == 0, 20, "every connection closed", 0.02)
         assert post(f"{server.url}/v1/completions", {"prompt": "ok", "max_tokens": 3})[0] == 200
         assert server.cap.refused == 1
 

@@ -8,6 +8,7 @@ import asyncio
 import logging
 
 import pytest
+from support import wait_for
 from worker_fakes import FakeWorker, router_over
 
 from engine.block_hash import chain_hashes
@@ -104,13 +105,10 @@ def test_the_health_loop_survives_any_exception_and_still_ejects_a_dead_worker()
     async def main() -> None:
         loop_task = asyncio.get_running_loop().create_task(pool._health_loop())
         try:
-            while view.refreshes < 3:
-                await asyncio.sleep(0.01)
+            await asyncio.to_thread(wait_for, lambda: view.refreshes >= 3, 10, "three failed index refreshes", 0.01)
             doomed.alive = False  # dies after three failed rounds
-            for _ in range(500):
-                if not pool.workers["mixed-0"].healthy:
-                    break
-                await asyncio.sleep(0.01)
+            await asyncio.to_thread(wait_for, lambda: not pool.workers["mixed-0"].healthy, 5,
+                                    "the dead worker ejected", 0.01)
             assert not loop_task.done()
         finally:
             loop_task.cancel()

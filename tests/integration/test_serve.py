@@ -23,6 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 from serve_process import RAY_ENV, Served, brigade_serve
+from support import wait_for
 
 from cluster import cli
 from cluster.config import PER_WORKER, ClusterConfig, load_config
@@ -115,12 +116,10 @@ def test_the_grpc_door_serves_the_same_tokens(server: Served, reference) -> None
 def _idle_health(base: str, timeout_s: float = 10.0) -> tuple[int, dict]:
     """/health once the router has let go of earlier tests' requests: it counts a stream as
     running until its generator has closed, a moment after the client read the last chunk."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def idle() -> tuple[int, dict] | None:
         status, health, _ = _request(f"{base}/health")
-        if health.get("running") == 0 or time.monotonic() > deadline:
-            return status, health
-        time.sleep(0.05)
+        return (status, health) if health.get("running") == 0 else None
+    return wait_for(idle, timeout_s, "the router idle", 0.05)
 
 
 def test_completions_match_the_single_process_engine(server: Served, reference) -> None:
@@ -171,10 +170,8 @@ def test_a_client_that_leaves_frees_its_request(server: Served) -> None:
                                                      "ignore_eos": True, "temperature": 0})
     assert resp.readline().startswith(b"data: {")
     resp.close()  # the server notices at its next write, aborts, and the router's slot comes back
-    deadline = time.monotonic() + 5  # 4000 tokens take three times that here: only an abort ends it so soon
-    while (health := _request(f"{server.http_base}/health")[1])["running"] and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert health["running"] == 0, health
+    # 4000 tokens take three times 5 s here: only an abort ends it so soon
+    wait_for(lambda: _request(f"{server.http_base}/health")[1]["running"] == 0, 5, "the router's slot back", 0.2)
 
 
 def test_no_listening_socket_binds_a_wildcard_address(server: Served) -> None:
@@ -215,10 +212,8 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(server: Served) -> None:
     assert time.monotonic() - start < 60
     log = server.log.read_text()
     assert "draining 1 request(s) in flight" in log and "stopped" in log
-    deadline = time.monotonic() + 10
-    while (left := [p for p in procs if not _gone(p)]) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not left, [" ".join(p.cmdline())[:80] for p in left]
+    wait_for(lambda: all(_gone(p) for p in procs), 10,
+             lambda: f"every process gone; left: {[' '.join(p.cmdline())[:80] for p in procs if not _gone(p)]}", 0.2)
 
 
 # -- config and flags (no Ray) -----------------------------------------------------------------
@@ -426,9 +421,7 @@ def test_front_door_maps_router_errors_to_retriable_statuses(fake_server) -> Non
     status, done, _ = _request(f"{url}/v1/completions", {"prompt": "hi", "return_token_ids": True})
     assert status == 200 and (done["choices"][0]["text"], done["choices"][0]["token_ids"]) == ("ab", [1, 2])
     assert done["usage"]["prompt_tokens"] == 2
-    deadline = time.monotonic() + 5
-    while not backend.closed and time.monotonic() < deadline:  # the handler closes the stream after replying
-        time.sleep(0.01)
+    wait_for(lambda: backend.closed, 5, "the handler closing the stream after replying", 0.01)
     assert len(backend.closed) == 1
 
     backend.fail = Overloaded("overloaded: 9 requests waiting; retry later")

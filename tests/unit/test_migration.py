@@ -18,7 +18,7 @@ from engine.sampling import SamplingParams
 from router.config import RouterConfig
 from router.errors import NoWorker, StreamBroken, WorkerLost
 from router.grpc.service import refusal
-from router.http.server import api_error
+from router.http.answers import api_error
 from router.migration import continuation, shifted_seed
 from router.router import Router
 

@@ -16,7 +16,7 @@ from engine.outputs import Usage
 from engine.sampling import SamplingParams
 from router.config import RouterConfig
 from router.errors import PoisonRequest, StreamBroken, WorkerLost
-from router.http.server import api_error
+from router.http.answers import api_error
 from router.workers import lost
 
 PROMPT = [5, 6, 7, 8]

@@ -209,3 +209,18 @@ def test_a_loop_that_breaks_fails_pending_calls_with_engine_died(engine: LLMEngi
         assert not loop.alive
     finally:
         loop.stop()
+
+
+def test_a_checked_request_is_checked_only_against_the_engines_own_pool(engine: LLMEngine) -> None:
+    """A worker's engine trusts the door's check (checked=True): the model-shape checks do not
+    run again, but a request whose output can never fit this engine's pool is still refused,
+    with the field named, and the engine serves on."""
+    with pytest.raises(InvalidRequest) as err:
+        engine.add_request("big", PROMPTS[0], SamplingParams(max_tokens=64 * engine.block_size), checked=True)
+    assert err.value.field == "max_tokens" and "the pool has 64" in str(err.value)
+    engine.add_request("ok", PROMPTS[1], greedy(), checked=True)
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done["ok"].finish_reason == "length"
+    assert_pool_clean(engine)

@@ -16,7 +16,7 @@ from router import errors
 from router.config import RouterConfig
 from router.errors import ModelNotFound, NoWorker, Overloaded, StreamBroken, WorkerLost
 from router.grpc.service import refusal
-from router.http.server import api_error
+from router.http.answers import api_error
 
 PROMPT = [5, 6, 7, 8]
 
