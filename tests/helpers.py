@@ -116,7 +116,7 @@ def tiny_model_id() -> str:
     """The model id engines of the `tiny` preset hash blocks with ("tiny@<fingerprint>")."""
     from engine.engine_setup import engine_model_id
 
-    return engine_model_id(EngineConfig(model="tiny"))
+    return engine_model_id(EngineConfig(model="tiny", dtype="float32"))
 
 
 # -- model-free scheduler builders -------------------------------------------------------------

@@ -43,8 +43,12 @@ RAY_BOOTSTRAP_FAILURES = ("Failed to get node info", "Failed to start the dashbo
 def brigade_serve(flags: list[str], log: Path, timeout_s: float = 180.0,
                   env: dict[str, str] | None = None) -> Iterator[Served]:
     """Start `brigade serve FLAGS` (with `env` added to ours), wait for its ready line, and stop it
-    with SIGTERM after."""
+    with SIGTERM after. Its weights are float32 unless FLAGS name --dtype: the tests compare its
+    tokens against float32 references (`auto` picks bfloat16 on CPUs with bfloat16 instructions)."""
     from engine.presets import materialize
+
+    if not any(f == "--dtype" or f.startswith("--dtype=") for f in flags):
+        flags = [*flags, "--dtype", "float32"]
 
     materialize("tiny")  # once here, rather than raced by the server and a reference engine
     for attempt in (1, 2):

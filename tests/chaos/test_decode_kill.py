@@ -43,7 +43,7 @@ def cluster(ray_cluster):
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine(EngineConfig(model="tiny", num_threads=1, cache=CacheConfig(num_blocks=512)))
+    return LLMEngine(EngineConfig(model="tiny", dtype="float32", num_threads=1, cache=CacheConfig(num_blocks=512)))
 
 
 def wait_pools_whole(cluster, timeout_s: float = 15.0) -> None:

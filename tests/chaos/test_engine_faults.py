@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
 @pytest.fixture
 def loop():
-    engine = LLMEngine(EngineConfig(model="tiny", num_threads=1, cache=CacheConfig(num_blocks=256)))
+    engine = LLMEngine(EngineConfig(model="tiny", dtype="float32", num_threads=1, cache=CacheConfig(num_blocks=256)))
     loop = EngineLoop(engine).start()
     yield loop
     loop.stop()

@@ -64,7 +64,7 @@ def run(router, requests: list[tuple[str, list[int]]]) -> list:
 def test_more_streams_than_the_kv_pool_holds_all_complete_identical(cluster, chaos_figure):
     rng = random.Random(5)
     batch = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(20, 40))] for _ in range(STREAMS)]
-    engine = LLMEngine(EngineConfig(model="tiny", num_threads=1, cache=CacheConfig(num_blocks=512)))
+    engine = LLMEngine(EngineConfig(model="tiny", dtype="float32", num_threads=1, cache=CacheConfig(num_blocks=512)))
     reference = [o.token_ids for o in engine.generate(batch, [PARAMS] * len(batch))]
     before = sum(s["preemptions"] for s in cluster.stats().values() if "error" not in s)
     t0 = time.monotonic()

@@ -227,7 +227,7 @@ def proxied_workers():
 
     rendezvous._pair_link = via_proxy
     transfer = TransferConfig(backend="gloo", timeout_s=TIMEOUT_S, connect_timeout_s=30.0)
-    cfg = EngineConfig(model="tiny", num_threads=1, cache=CacheConfig(num_blocks=128))
+    cfg = EngineConfig(model="tiny", dtype="float32", num_threads=1, cache=CacheConfig(num_blocks=128))
     prefill = PrefillWorker("prefill-x", cfg, transfer)
     decode = DecodeWorker("decode-x", cfg.model_copy(update={"role": Role.DECODE}), transfer)
 
@@ -258,7 +258,7 @@ def test_link_faults_under_real_workers_never_change_the_tokens(proxied_workers,
     proxy = pair_up()
     rng = random.Random(12)
     prompts = [[rng.randrange(3, 4096) for _ in range(rng.randrange(20, 60))] for _ in range(len(FAULTS) + 1)]
-    reference = [o.token_ids for o in LLMEngine(EngineConfig(model="tiny", num_threads=1)).generate(
+    reference = [o.token_ids for o in LLMEngine(EngineConfig(model="tiny", dtype="float32", num_threads=1)).generate(
         prompts, PARAMS)]
     results = {}
     for i, (name, fault) in enumerate([*FAULTS.items(), ("none", None)]):
@@ -337,7 +337,7 @@ def test_a_reset_kv_link_is_recomputed_around_and_the_pair_rebuilt(cluster, chao
     assert shutil.which("ss"), "iproute2's ss is needed: `make system-deps` installs it"
     rng = random.Random(13)
     prompts = [[rng.randrange(3, 4096) for _ in range(40)] for _ in range(3)]
-    reference = [o.token_ids for o in LLMEngine(EngineConfig(model="tiny", num_threads=1)).generate(
+    reference = [o.token_ids for o in LLMEngine(EngineConfig(model="tiny", dtype="float32", num_threads=1)).generate(
         prompts, PARAMS)]
     tokens, last = generate(cluster, "link-0", prompts[0])
     assert tokens == reference[0] and not last.timing.recomputed

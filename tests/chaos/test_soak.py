@@ -212,7 +212,8 @@ def cluster(ray_cluster):
 @pytest.mark.timeout(DURATION_S + 900)
 def test_soak(cluster, chaos_figure):
     jobs = workload()
-    engine = LLMEngine(EngineConfig(model="tiny", num_threads=1, cache=CacheConfig(num_blocks=NUM_BLOCKS)))
+    engine = LLMEngine(EngineConfig(model="tiny", dtype="float32", num_threads=1,
+                                    cache=CacheConfig(num_blocks=NUM_BLOCKS)))
     references = [o.token_ids for o in engine.generate([p for p, _ in jobs], [sp for _, sp in jobs])]
     del engine  # the driver's own RSS should be the load's, not a resident reference engine
     supervisor = Supervisor(cluster, SupervisorConfig(grace_s=2.0, interval_s=1.0)).start()

@@ -85,7 +85,7 @@ async def stream(router, rid: str, prompt: list[int], ready: asyncio.Event) -> t
 def test_killing_one_rank_fails_its_group_fast_and_the_supervisor_replaces_it(cluster, chaos_figure):
     rng = random.Random(5)
     batch = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(8, 60))] for _ in range(STREAMS)]
-    engine = LLMEngine(EngineConfig(model="tiny", num_threads=1, cache=CacheConfig(num_blocks=512)))
+    engine = LLMEngine(EngineConfig(model="tiny", dtype="float32", num_threads=1, cache=CacheConfig(num_blocks=512)))
     reference = [o.token_ids for o in engine.generate(batch, [PARAMS] * STREAMS)]
     supervisor = Supervisor(cluster, SupervisorConfig(grace_s=0.5, interval_s=0.2)).start()
     try:

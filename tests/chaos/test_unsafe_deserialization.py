@@ -287,11 +287,11 @@ def test_a_hostile_model_directory_runs_no_code(tmp_path: Path, marker: Path, pa
 
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompt = [[5, 17, 42, 99, 3]]
-    tokens = [LLMEngine(EngineConfig(model=str(d), num_threads=1)).generate(prompt, params)[0].token_ids
-              for d in (clean, hostile)]
+    tokens = [LLMEngine(EngineConfig(model=str(d), dtype="float32", num_threads=1))
+              .generate(prompt, params)[0].token_ids for d in (clean, hostile)]
     assert tokens[0] == tokens[1]
 
     (hostile / "model.safetensors").unlink()  # only the pickle is left: refused, not loaded
     with pytest.raises(CheckpointError, match="safetensors"):
-        LLMEngine(EngineConfig(model=str(hostile), num_threads=1))
+        LLMEngine(EngineConfig(model=str(hostile), dtype="float32", num_threads=1))
     assert not marker.exists()

@@ -20,7 +20,9 @@ from cluster import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "cluster.cli"]
-SMALL_POOL = ["--num-blocks", "256"]  # the CPU default is a 256 MiB pool; tests need a few blocks
+# The CPU default is a 256 MiB pool (tests need a few blocks); float32 because the prompts-file
+# run is compared with runs alone (other batch compositions), and `auto` may pick bfloat16.
+ENGINE_FLAGS = ["--num-blocks", "256", "--dtype", "float32"]
 TEXT_PROMPT = "hello world"
 PROMPTS_FILE = [
     {"prompt_ids": [1, 2, 3]},  # --max-tokens 5 from the flag
@@ -42,9 +44,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, 
     prompts = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(line) + "\n" for line in PROMPTS_FILE))
     procs = {
-        "ids": _start("generate", "--prompt-ids", "1,2,3", "--max-tokens", "5", "--json", *SMALL_POOL),
-        "text": _start("generate", "--prompt", TEXT_PROMPT, "--max-tokens", "8", *SMALL_POOL),
-        "file": _start("generate", "--prompts-file", str(prompts), "--max-tokens", "5", "--json", *SMALL_POOL),
+        "ids": _start("generate", "--prompt-ids", "1,2,3", "--max-tokens", "5", "--json", *ENGINE_FLAGS),
+        "text": _start("generate", "--prompt", TEXT_PROMPT, "--max-tokens", "8", *ENGINE_FLAGS),
+        "file": _start("generate", "--prompts-file", str(prompts), "--max-tokens", "5", "--json", *ENGINE_FLAGS),
         "bad": _start("generate", "--prompt", "hi", "--temperature", "-1"),
     }
     results = {}

@@ -40,7 +40,8 @@ LONG_PROMPT = [random.Random(1).randrange(3, VOCAB) for _ in range(3000)]
 @pytest.fixture(scope="module")
 def reference() -> tuple[list[list[int]], int]:
     """(each workload request's tokens from one mixed engine in this process, KV bytes per block)."""
-    engine = LLMEngine(EngineConfig(model="tiny", num_threads=1, cache=CacheConfig(num_blocks=NUM_BLOCKS)))
+    engine = LLMEngine(EngineConfig(model="tiny", dtype="float32", num_threads=1,
+                                    cache=CacheConfig(num_blocks=NUM_BLOCKS)))
     outs = engine.generate(PROMPTS, PARAMS)
     kv = engine.runner.kv_cache  # (2, L, num_blocks, bs, Hkv, hd)
     return [o.token_ids for o in outs], kv[:, :, 0].numel() * kv.element_size()
@@ -52,7 +53,7 @@ def reference() -> tuple[list[list[int]], int]:
 def plain_workers():
     """A prefill worker paired over real gloo with two decode workers: one like it, one whose
     KV blocks hold 8 tokens instead of 16 (a different layout)."""
-    cfg = EngineConfig(model="tiny", num_threads=1, cache=CacheConfig(num_blocks=256))
+    cfg = EngineConfig(model="tiny", dtype="float32", num_threads=1, cache=CacheConfig(num_blocks=256))
     prefill = PrefillWorker("prefill-p", cfg, TRANSFER)
     decoding = cfg.model_copy(update={"role": Role.DECODE})  # as cluster.config.worker_config gives it
     decode = DecodeWorker("decode-p", decoding, TRANSFER)

@@ -66,7 +66,8 @@ def reference() -> dict[str, list[int]]:
     """Greedy tokens of the single-process engine for each of PROMPTS."""
     from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 
-    engine = LLMEngine(EngineConfig(model="tiny", num_threads=1, cache=CacheConfig(num_blocks=NUM_BLOCKS)))
+    engine = LLMEngine(EngineConfig(model="tiny", dtype="float32", num_threads=1,
+                                    cache=CacheConfig(num_blocks=NUM_BLOCKS)))
     outs = engine.generate(list(PROMPTS.values()), SamplingParams(**GREEDY))
     return dict(zip(PROMPTS, (o.token_ids for o in outs)))
 

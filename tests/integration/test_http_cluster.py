@@ -71,7 +71,8 @@ def reference(served: Served) -> dict[str, list[int]]:
     """Greedy tokens of the single-process engine for the chat prompt and a text prompt."""
     from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 
-    engine = LLMEngine(EngineConfig(model="tiny", num_threads=1, cache=CacheConfig(num_blocks=NUM_BLOCKS)))
+    engine = LLMEngine(EngineConfig(model="tiny", dtype="float32", num_threads=1,
+                                    cache=CacheConfig(num_blocks=NUM_BLOCKS)))
     chat_ids = served.backend.chat_token_ids(MESSAGES)
     outs = engine.generate([chat_ids, "once upon a time"], [SamplingParams(max_tokens=8, temperature=0)] * 2)
     return {"chat": outs[0].token_ids, "text": outs[1].token_ids}

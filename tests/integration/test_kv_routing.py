@@ -32,7 +32,7 @@ PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def cold() -> dict[str, list[int]]:
     """Every prompt's tokens from one cold engine in this process, no prefix cache."""
-    engine = LLMEngine(EngineConfig(model="tiny", num_threads=1,
+    engine = LLMEngine(EngineConfig(model="tiny", dtype="float32", num_threads=1,
                                     cache=CacheConfig(num_blocks=256, enable_prefix_cache=False)))
     outs = engine.generate(FIRST + SECOND, PARAMS)
     rids = [f"a{i}" for i in range(len(FIRST))] + [f"b{i}" for i in range(len(SECOND))]

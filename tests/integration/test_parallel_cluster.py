@@ -31,7 +31,8 @@ def block_bytes() -> int:
 
 
 def expected() -> list[list[int]]:
-    engine = LLMEngine(EngineConfig(model="tiny", num_threads=1, cache=CacheConfig(num_blocks=NUM_BLOCKS)))
+    engine = LLMEngine(EngineConfig(model="tiny", dtype="float32", num_threads=1,
+                                    cache=CacheConfig(num_blocks=NUM_BLOCKS)))
     return [o.token_ids for o in engine.generate([PROMPTS[i] for i in IDS], [PARAMS[i] for i in IDS])]
 
 

@@ -234,7 +234,8 @@ def test_a_plain_prefill_worker_publishes_its_engine_cache_and_ends_its_lease(se
     from router.index.publisher import worker_publisher
 
     cache = CacheConfig(num_blocks=64, record_events=True)  # as cluster.config.worker_config sets it
-    worker = PrefillWorker("pw", EngineConfig(model="tiny", num_threads=1, cache=cache), TransferConfig(backend="gloo"),
+    worker = PrefillWorker("pw", EngineConfig(model="tiny", dtype="float32", num_threads=1, cache=cache),
+                           TransferConfig(backend="gloo"),
                            partial(worker_publisher, IndexLink(redis_url=server.url, index=cfg)))
     model = worker.engine.model_id  # "tiny@<checkpoint fingerprint>": what the worker hashes with
     index = PrefixIndex(connect(server.url), cfg.key_prefix, model)

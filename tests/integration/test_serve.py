@@ -46,7 +46,7 @@ def reference(torch_single_thread) -> dict[str, list[int]]:
     """Greedy tokens of the single-process engine for TEXT and IDS."""
     from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 
-    engine = LLMEngine(EngineConfig(model="tiny", cache=CacheConfig(num_blocks=256)))
+    engine = LLMEngine(EngineConfig(model="tiny", dtype="float32", cache=CacheConfig(num_blocks=256)))
     outs = engine.generate([TEXT["prompt"], IDS["prompt"]],
                            [SamplingParams(max_tokens=8, temperature=0),
                             SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)])
@@ -97,7 +97,8 @@ def test_prints_the_resolved_config_then_the_ready_line(server: Served) -> None:
     import yaml
 
     printed = ClusterConfig.model_validate(yaml.safe_load("".join(server.out[1:-1])))
-    assert printed == ClusterConfig(http_port=0, grpc_port=0, engine={"cache": {"num_blocks": 256}})
+    assert printed == ClusterConfig(http_port=0, grpc_port=0,  # brigade_serve pins float32
+                                    engine={"dtype": "float32", "cache": {"num_blocks": 256}})
     assert server.out[-1].startswith("Brigade serving tiny at http://127.0.0.1:")
     assert " and grpc://127.0.0.1:" in server.out[-1]
     assert server.out[-1].rstrip().endswith(" (1 prefill, 1 decode, disaggregated)")

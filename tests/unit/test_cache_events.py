@@ -4,7 +4,8 @@ from engine.block_hash import chain_hashes
 
 
 def test_events_follow_inserts_and_evictions():
-    engine = LLMEngine(EngineConfig(model="tiny", cache=CacheConfig(block_size=4, num_blocks=8, record_events=True)))
+    engine = LLMEngine(EngineConfig(model="tiny", dtype="float32",
+                                    cache=CacheConfig(block_size=4, num_blocks=8, record_events=True)))
     greedy = SamplingParams(max_tokens=1)
     first = list(range(1, 14))  # 3 full blocks
     engine.generate([first], greedy)
@@ -26,6 +27,6 @@ def test_events_follow_inserts_and_evictions():
 
 
 def test_events_off_by_default():
-    engine = LLMEngine(EngineConfig(model="tiny", cache=CacheConfig(block_size=4, num_blocks=8)))
+    engine = LLMEngine(EngineConfig(model="tiny", dtype="float32", cache=CacheConfig(block_size=4, num_blocks=8)))
     engine.generate([list(range(1, 14))], SamplingParams(max_tokens=1))
     assert engine.take_cache_events() == []

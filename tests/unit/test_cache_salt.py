@@ -8,7 +8,7 @@ PROMPT = list(range(1, 42))  # 10 full blocks of 4, and a last token the engine 
 
 
 def make_engine() -> LLMEngine:
-    return LLMEngine(EngineConfig(model="tiny", num_threads=1,
+    return LLMEngine(EngineConfig(model="tiny", dtype="float32", num_threads=1,
                                   cache=CacheConfig(block_size=4, num_blocks=64, record_events=True)))
 
 

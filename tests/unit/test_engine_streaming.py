@@ -16,7 +16,7 @@ def _stream(engine: LLMEngine, prompt, params: SamplingParams) -> tuple[list[str
 
 
 def test_deltas_join_to_text_and_hold_back_stop_strings():
-    engine = LLMEngine(EngineConfig(model="tiny", cache=CacheConfig(num_blocks=64)))
+    engine = LLMEngine(EngineConfig(model="tiny", dtype="float32", cache=CacheConfig(num_blocks=64)))
     prompt = "The quick brown fox"
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     deltas, full, _ = _stream(engine, prompt, greedy)

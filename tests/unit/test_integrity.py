@@ -34,7 +34,7 @@ def copy_tiny(to: Path) -> Path:
 def test_the_model_id_carries_the_checkpoint_fingerprint(tmp_path: Path) -> None:
     a, b = copy_tiny(tmp_path / "one" / "m"), copy_tiny(tmp_path / "two" / "m")
     assert checkpoint_fingerprint(a) == checkpoint_fingerprint(b)  # two nodes' copies agree
-    engine = LLMEngine(EngineConfig(model=str(a), num_threads=1, cache=CacheConfig(num_blocks=16)))
+    engine = LLMEngine(EngineConfig(model=str(a), dtype="float32", num_threads=1, cache=CacheConfig(num_blocks=16)))
     assert engine.model_id == f"m@{checkpoint_fingerprint(a)}"
     (weights,) = b.glob("*.safetensors")
     tensors = load_file(weights)
@@ -111,7 +111,7 @@ def test_the_directory_is_fsynced_after_each_rename(tmp_path: Path, monkeypatch)
 
 
 def test_a_kv_header_that_disagrees_with_the_reservation_is_refused_unallocated() -> None:
-    cfg = EngineConfig(model="tiny", num_threads=1, cache=CacheConfig(num_blocks=64))
+    cfg = EngineConfig(model="tiny", dtype="float32", num_threads=1, cache=CacheConfig(num_blocks=64))
     decode = DecodeWorker("decode-h", cfg, TransferConfig(backend="gloo"))
     try:
         tx, rx = inprocess_pair(decode.layout)

@@ -34,7 +34,8 @@ MAX_TOKENS = 24
 
 
 def make_engine(role: Role = Role.MIXED) -> LLMEngine:
-    return LLMEngine(EngineConfig(model="tiny", num_threads=1, role=role, cache=CacheConfig(num_blocks=64)))
+    return LLMEngine(EngineConfig(model="tiny", dtype="float32", num_threads=1, role=role,
+                                  cache=CacheConfig(num_blocks=64)))
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,11 @@ from gguf import GGMLQuantizationType, dequantize, quantize
 from helpers import engine_prefill_logits, make_prompts
 
 from engine import CacheConfig, EngineConfig, LLMEngine
-from engine.engine_setup import cpu_has_bf16_dot
+from engine.engine_setup import cpu_has_bf16_dot, resolve_dtype
+from engine.model_config import ModelConfig
 from engine.quant import Int4Linear, Int8Linear
-from engine.quant.linear import DENSE_ROWS
 from engine.quant.gguf_blocks import _int4, _int8, read_blocks
+from engine.quant.linear import DENSE_ROWS
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 
@@ -105,11 +106,22 @@ def test_dtype_auto_rule_reads_the_cpu_flags(tmp_path) -> None:
     zen4.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n")
     assert not cpu_has_bf16_dot(str(zen3)) and cpu_has_bf16_dot(str(zen4))
     assert not cpu_has_bf16_dot(str(tmp_path / "missing"))
+    xeon = tmp_path / "xeon"  # AMX without avx512_bf16 in the list still multiplies bfloat16
+    xeon.write_text("processor\t: 0\nflags\t\t: fpu avx512f amx_tile amx_bf16\n")
+    cfg = ModelConfig(architecture="llama", vocab_size=10, hidden_size=8, intermediate_size=12, num_layers=1,
+                      num_heads=2, num_kv_heads=2, head_dim=4, rms_norm_eps=1e-6, rope_theta=1e4,
+                      max_position_embeddings=64, tie_word_embeddings=False, torch_dtype="float16")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    auto = {f.name: resolve_dtype("auto", cfg, cpu, str(f)) for f in (zen3, zen4, xeon, tmp_path / "missing")}
+    assert auto == {"zen3": torch.float32, "zen4": torch.bfloat16, "xeon": torch.bfloat16, "missing": torch.float32}
+    assert resolve_dtype("auto", cfg, cuda, str(zen3)) == torch.float16  # CUDA: the checkpoint's dtype
+    assert resolve_dtype("float32", cfg, cpu, str(zen4)) == torch.float32  # a named dtype is kept
+    assert resolve_dtype("bfloat16", cfg, cpu, str(zen3)) == torch.bfloat16
 
 
 def test_gguf_quantization_needs_a_gguf_source() -> None:
     with pytest.raises(ValueError, match="GGUF"):
-        LLMEngine(EngineConfig(model="tiny", quantization="gguf", cache=CacheConfig(num_blocks=16)))
+        LLMEngine(EngineConfig(model="tiny", dtype="float32", quantization="gguf", cache=CacheConfig(num_blocks=16)))
 
 
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen3"])

@@ -23,7 +23,7 @@ POISON_SEED = 666  # the stand-in sampler below fails any row with this seed
 
 @pytest.fixture
 def engine() -> LLMEngine:
-    return LLMEngine(EngineConfig(model="tiny", num_threads=1, cache=CacheConfig(num_blocks=64)))
+    return LLMEngine(EngineConfig(model="tiny", dtype="float32", num_threads=1, cache=CacheConfig(num_blocks=64)))
 
 
 def greedy(**kw) -> SamplingParams:
