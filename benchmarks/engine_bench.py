@@ -35,7 +35,8 @@ Each is a ratio against a baseline measured in the same run, so it compares acro
 Output: benchmarks/results/engine_bench.json ({"machine", "ratios", "targets", "raw"}) and
 engine_bench.png (ours vs HF throughput, decode step vs floor, TTFT cold vs hit). With --quick
 (a smoke run, < 1 minute on a quiet machine: fewer and shorter requests, a 512-token TTFT
-prompt, HF batch 8 only) the files are engine_bench.quick.json/.png, so a smoke run never overwrites the committed full results.
+prompt, HF batch 8 only) the files are engine_bench.quick.json/.png, so a smoke run never
+overwrites the committed full results.
 A missed target prints MISS and still exits 0. Numbers are only meaningful on a quiet machine
 (torch's threads wait for each other, so one competing process can slow a phase several-fold):
 raw.phase_cpu records, per phase, the share of the CPUs other processes used (other_cpu_share;

@@ -96,4 +96,4 @@ run_mode disaggregated --prefill "$PREFILL" --decode "$DECODE"
 run_mode colocated --decode "$((PREFILL + DECODE))"
 "$PY" -m cluster.cli bench compare "$OUT/disaggregated/result.json" "$OUT/colocated/result.json" \
     | tee "$OUT/comparison.txt"
-"$PY" "$ROOT/benchmarks/_serving_summary.py" "$NAME" "$OUT"
+"$PY" "$ROOT/benchmarks/_serving_summary.py" "$NAME" "$OUT" "$MODEL"
