@@ -142,6 +142,35 @@ def set_all_threads() -> int:
     return torch.get_num_threads()
 
 
+# -- the model --------------------------------------------------------------------
+# A real model by default (SmolLM2-135M-Instruct, from the registry: pulled, verified and
+# converted on first use); the random-weight presets stay one flag away.
+REAL_MODEL = "smollm2-135m"
+MODEL_METAVAR = "tiny|bench|NAME|PATH"
+
+
+def model_help(default: str, why: str = "") -> str:
+    """--model's help: what it takes, the default, and (`why`) why that default where it is a preset."""
+    return (f"the model: a preset (tiny, bench: random weights, no download), a registry model "
+            f"({REAL_MODEL}, qwen2.5-coder-0.5b, ...: pulled on first use) or an HF checkpoint dir "
+            f"(default: {default}{'; ' + why if why else ''})")
+
+
+def prepare_model(name_or_path: str) -> dict[str, Any]:
+    """Resolve --model once, up front (a registry model is pulled here, with its progress bar,
+    not raced by the benchmark's worker processes); returns what raw records about it."""
+    import json as _json
+
+    from engine.presets import resolve_model
+
+    path = resolve_model(name_or_path)
+    cfg = _json.loads((Path(path) / "config.json").read_text())
+    return {"name": name_or_path, "path": str(path), "architecture": (cfg.get("architectures") or ["?"])[0],
+            "num_layers": cfg.get("num_hidden_layers"), "hidden_size": cfg.get("hidden_size"),
+            "num_heads": cfg.get("num_attention_heads"), "num_kv_heads": cfg.get("num_key_value_heads"),
+            "vocab_size": cfg.get("vocab_size")}
+
+
 # -- measuring ----------------------------------------------------------------------
 def measure_copy_bandwidth(mib: int = 256, reps: int = 7) -> dict[str, Any]:
     """Main-memory bandwidth from large float32 tensors, best of `reps`.

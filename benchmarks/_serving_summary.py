@@ -2,7 +2,7 @@
 benchmarks/results/<name>.json in the benchmarks' shape, with disaggregated / colocated ratios at
 the highest offered rate and every rate's headline figures (goodput at the SLO, p99 TTFT, p99 ITL).
 
-usage: python benchmarks/_serving_summary.py NAME OUT_DIR
+usage: python benchmarks/_serving_summary.py NAME OUT_DIR [MODEL]
 """
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ HEADLINE = ("request_throughput", "request_goodput", "output_throughput", "p99_t
 TARGETS = {"goodput_disagg_vs_colocated": ">= 1.0", "p99_itl_disagg_vs_colocated": "<= 1.0"}
 
 
-def main(name: str, out: Path) -> None:
+def main(name: str, out: Path, model: str | None = None) -> None:
     modes = {m: json.loads((out / m / "result.json").read_text()) for m in ("disaggregated", "colocated")}
-    raw = {"slo": modes["disaggregated"]["runs"][0]["slo"], "config": modes["disaggregated"]["config"],
+    raw = {"model": model, "slo": modes["disaggregated"]["runs"][0]["slo"],
+           "config": modes["disaggregated"]["config"],
            **{m: [{"request_rate": str(run["request_rate"]), **{k: run[k] for k in HEADLINE}} for run in doc["runs"]]
               for m, doc in modes.items()}}
     top = {m: max(doc["runs"], key=lambda run: run["request_rate"]) for m, doc in modes.items()}
@@ -43,4 +44,4 @@ def main(name: str, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))
+    main(sys.argv[1], Path(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else None)

@@ -1,13 +1,16 @@
 """Disaggregation benchmark: what splitting prefill from decode costs and what it buys.
 
-Four ratios, all measured in ONE run on the `bench` preset (Qwen3: hidden 512, 8 layers, 8/2 heads,
-head_dim 64, vocab 32k; random weights, no download) in float32. Each compares against a baseline
-taken in the same run, on the same cores, so it stays meaningful across machines:
+Four ratios, all measured in ONE run on SmolLM2-135M-Instruct (`smollm2-135m`: Llama, 30 layers,
+hidden 576, 9/3 heads, head_dim 64, vocab 49,152; real weights, pulled and converted on first use)
+in float32; `--model bench` (Qwen3: hidden 512, 8 layers, 8/2 heads; random weights, no download)
+or `--model tiny` runs a preset. Each compares against a baseline taken in the same run, on the
+same cores, so it stays meaningful across machines:
 
   transfer_vs_raw_gloo          (target >= 0.7)
-      KV transfer throughput for a 1,024-token prompt (8 layers x 2 KV heads x 64 x fp32 x K+V =
-      8 KiB/token, 8 MiB) divided by a plain torch.distributed gloo send/recv of the same byte count
-      between the SAME two processes over the SAME process group (the channel's `link.data`).
+      KV transfer throughput for a 1,024-token prompt (SmolLM2: 30 layers x 3 KV heads x 64 x fp32
+      x K+V = 45 KiB/token, 45 MiB; `bench`: 8 KiB/token) divided by a plain torch.distributed gloo
+      send/recv of the same byte count between the SAME two processes over the SAME process group
+      (the channel's `link.data`).
       Two spawned processes (not Ray actors: gloo between spawned processes is ~2x faster here, and
       the comparison needs only that both paths share the pair), one torch thread each:
         A: prefill-role LLMEngine, `kv_transfer.connect` (sender);
@@ -136,7 +139,7 @@ class Plan:
     # engine reference: a bare batch-4 decode step
     ref_steps: int = 32
     # every worker
-    num_blocks: int = 2048  # 32k tokens of KV per worker (256 MiB in fp32): nothing is ever evicted
+    num_blocks: int = 2048  # 32k tokens of KV per worker (1.4 GiB on SmolLM2 in fp32): nothing is ever evicted
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
 
@@ -687,7 +690,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true",
                     help="smoke run (< 1 min): few reps, 512-token transfer/TTFT prompts, one 1,024-token "
                          "interfering prompt; writes disagg_bench.quick.json/png")
-    ap.add_argument("--model", default="bench", help="engine preset or HF checkpoint dir (default: bench)")
+    ap.add_argument("--model", default=C.REAL_MODEL, metavar=C.MODEL_METAVAR, help=C.model_help(C.REAL_MODEL))
     ap.add_argument("--seed", type=int, default=0, help="seed for prompts (default: 0)")
     ap.add_argument("--interval", type=float, default=None,
                     help="seconds between the long prompts of the ITL phase (default: plan's, 3 s full)")
@@ -714,6 +717,7 @@ def main(argv: list[str] | None = None) -> int:
     probe = C.CpuWatch()
     time.sleep(0.5)
     idle_probe = probe.stop()
+    model_info = C.prepare_model(args.model)
     machine = C.machine_info(cluster_cores=CORES)
     print(f"{NAME}{' --quick' if args.quick else ''}: model={args.model} float32, {CORES} cores for the workers, "
           f"load average {machine['load_average_start']}, other processes "
@@ -826,8 +830,9 @@ def main(argv: list[str] | None = None) -> int:
                 itl_summary[mode]["engine_step_median_s"] = step
                 itl_summary[mode]["quiet_p50_minus_engine_step_s"] = itl_summary[mode]["quiet"]["p50"] - step
     raw = {
-        "model": args.model, "dtype": "float32", "quick": args.quick, "seed": args.seed, "plan": asdict(plan),
-        "cores": CORES, "max_num_batched_tokens": plan.max_num_batched_tokens, "num_blocks": plan.num_blocks,
+        "model": args.model, "model_info": model_info, "dtype": "float32", "quick": args.quick, "seed": args.seed,
+        "plan": asdict(plan), "cores": CORES, "max_num_batched_tokens": plan.max_num_batched_tokens,
+        "num_blocks": plan.num_blocks,
         "transfer": xfer, "engine_reference": ref, "itl_summary": itl_summary,
         "disaggregated": disagg, "colocated": coloc,
         "idle_probe": idle_probe, "phase_seconds": phase_s,

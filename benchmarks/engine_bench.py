@@ -1,7 +1,9 @@
 """Engine benchmark: three ratios that say how close Brigade's engine is to what this machine allows.
 
-All three are measured in ONE run on the `bench` preset (Qwen3: hidden 512, 8 layers, 8/2 heads,
-vocab 32k, tied embeddings; random weights, no download) in float32, with torch using every core.
+All three are measured in ONE run on SmolLM2-135M-Instruct (`smollm2-135m`: Llama, 30 layers,
+hidden 576, 9/3 heads, vocab 49,152, tied embeddings; real weights from the registry, pulled and
+converted on first use) in float32, with torch using every core. `--model bench` (Qwen3: hidden
+512, 8 layers, 8/2 heads, vocab 32k; random weights, no download) or `--model tiny` runs a preset.
 Each is a ratio against a baseline measured in the same run, so it compares across machines:
 
   decode_step_vs_floor     (target <= 2.0)
@@ -32,8 +34,9 @@ Each is a ratio against a baseline measured in the same run, so it compares acro
 
 Output: benchmarks/results/engine_bench.json ({"machine", "ratios", "targets", "raw"}) and
 engine_bench.png (ours vs HF throughput, decode step vs floor, TTFT cold vs hit). With --quick
-(a smoke run, < 1 minute: fewer and shorter requests, HF batch 8 only) the files are
-engine_bench.quick.json/.png, so a smoke run never overwrites the committed full results.
+(a smoke run, < 1 minute on a quiet machine: fewer and shorter requests, a 512-token TTFT
+prompt, HF batch 8 only) the files are engine_bench.quick.json/.png, so a smoke run never
+overwrites the committed full results.
 A missed target prints MISS and still exits 0. Numbers are only meaningful on a quiet machine
 (torch's threads wait for each other, so one competing process can slow a phase several-fold):
 raw.phase_cpu records, per phase, the share of the CPUs other processes used (other_cpu_share;
@@ -88,8 +91,10 @@ class Plan:
 
 
 FULL = Plan()
-QUICK = Plan(bw_reps=3, decode_warmup_steps=4, decode_steps=64, decode_breakdown_steps=16,
-             tp_requests=8, tp_prompt_len=(32, 128), tp_output_len=(8, 32), hf_batch_sizes=(8,), ttft_reps=2)
+# A smoke run sized for SmolLM2 (a decode step reads ~3.4x the bench preset's weight bytes).
+QUICK = Plan(bw_reps=3, decode_warmup_steps=2, decode_steps=32, decode_breakdown_steps=8,
+             tp_requests=8, tp_prompt_len=(32, 128), tp_output_len=(8, 32), hf_batch_sizes=(8,),
+             ttft_prompt_len=512, ttft_cached_len=480, ttft_reps=2)
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -476,7 +481,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true",
                     help="smoke run (< 1 min): 8 short requests, HF batch 8, fewer reps; "
                          "writes engine_bench.quick.json/png")
-    ap.add_argument("--model", default="bench", help="engine preset or HF checkpoint dir (default: bench)")
+    ap.add_argument("--model", default=C.REAL_MODEL, metavar=C.MODEL_METAVAR, help=C.model_help(C.REAL_MODEL))
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: every core this process may use)")
     ap.add_argument("--seed", type=int, default=0, help="seed for prompts and lengths (default: 0)")
@@ -499,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     else:
         C.set_all_threads()
+    model_info = C.prepare_model(args.model)
     machine = C.machine_info()
     print(f"{NAME}{' --quick' if args.quick else ''}: model={args.model} float32, "
           f"{torch.get_num_threads()} torch threads, load average {machine['load_average_start']}")
@@ -563,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     machine["load_average_end"] = C.load_average()
     raw = {
-        "model": args.model, "dtype": "float32", "quick": args.quick, "seed": args.seed,
+        "model": args.model, "model_info": model_info, "dtype": "float32", "quick": args.quick, "seed": args.seed,
         "plan": asdict(plan), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
         "bandwidth": bw, "decode": dec, "ttft": ttft,
         "throughput": {"requests": len(prompts), "prompt_len": length_stats([len(p) for p in prompts]),

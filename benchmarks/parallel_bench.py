@@ -20,6 +20,11 @@ Ratios, each against a baseline measured in the same run on the same cores:
       rep = the last receiver's end minus the sender's start (wall clocks of one host);
       median over reps.
 
+The model: the `bench` preset (Qwen3: 8/2 heads; random weights), not SmolLM2-135M, the other
+benchmarks' default: SmolLM2's 9 attention heads and 3 KV heads do not split over the 2 ranks
+measured here (TP=3 would split them, but 3 ranks on a 2-core machine measure contention, not
+tensor parallelism). `--model NAME|PATH` takes any model whose head counts divide by 2.
+
 Output: benchmarks/results/parallel_bench.json; --quick (tiny preset, fewer steps and a
 256-token transfer, < 1 minute) writes parallel_bench.quick.json. A missed target prints MISS
 and exits 0. Numbers are meaningful only on a quiet machine (raw.machine_load records the
@@ -44,6 +49,8 @@ import _common as C  # noqa: E402
 
 NAME = "parallel_bench"
 TARGETS = {"hetero_transfer_vs_same_tp": "<= 1.2"}
+WHY_NOT_SMOLLM2 = ("SmolLM2-135M's 9 attention heads / 3 KV heads do not split over TP=2 "
+                   "(TP=3 would, but 3 ranks on 2 cores measure contention)")
 FULL = dict(model="bench", batches=[1, 32], prompt_len=128, warmup=3, steps=20, transfer_tokens=1024, reps=10,
             num_blocks=1024)
 QUICK = dict(model="tiny", batches=[1, 32], prompt_len=32, warmup=2, steps=6, transfer_tokens=256, reps=3,
@@ -97,11 +104,17 @@ def transfer(plan: dict, dst_tp: int, tmp: Path) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke run (< 1 minute), writes parallel_bench.quick.json")
+    ap.add_argument("--model", default=None, metavar=C.MODEL_METAVAR,
+                    help=C.model_help("bench; tiny with --quick", WHY_NOT_SMOLLM2))
     ap.add_argument("--out-dir", type=Path, default=None)
     args = ap.parse_args(argv)
-    plan = QUICK if args.quick else FULL
+    plan = {**(QUICK if args.quick else FULL), **({"model": args.model} if args.model else {})}
+    model_info = C.prepare_model(plan["model"])
+    if model_info["num_heads"] % 2 or model_info["num_kv_heads"] % 2:
+        ap.error(f"{plan['model']} has {model_info['num_heads']} attention heads and {model_info['num_kv_heads']} "
+                 "KV heads: TP=2 needs both even; pick another --model (default: bench)")
     machine = C.machine_info(plan=plan)
-    raw: dict = {"plan": plan, "errors": {}}
+    raw: dict = {"plan": plan, "model_info": model_info, "why_not_smollm2": WHY_NOT_SMOLLM2, "errors": {}}
     ratios: dict = {}
     with tempfile.TemporaryDirectory(prefix="parallel-bench-") as tmp:
         tmp_path = Path(tmp)

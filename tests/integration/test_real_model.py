@@ -1,7 +1,7 @@
 """Exactness on real weights: SmolLM2-135M-Instruct in float32, 16 prompts (8 plain, 8 chat) x
 32 greedy tokens, identical to transformers' generate() through the engine; prefix hits from
-the device pool, the host tier and the disk tier; a cluster colocated and 1 prefill + 1
-decode (the launch `brigade serve` runs) and a TP=3 decode group (SmolLM2's 9 heads and 3 KV
+the device pool, the host tier and the disk tier; a real `brigade serve` process over HTTP,
+colocated and 1 prefill + 1 decode; and a TP=3 decode group (SmolLM2's 9 heads and 3 KV
 heads do not split in two: TP=3 is its smallest group). The decode-worker kill is in
 tests/chaos/test_decode_kill.py. Qwen2.5-Coder-0.5B on the engine path is marked slow.
 """
@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 from cluster_helpers import collect
-from real_models import GREEDY, hf_greedy, smollm2_prompts
+from real_models import GREEDY, NEW_TOKENS, PLAIN, QUESTIONS, hf_greedy, smollm2_prompts
+from serve_process import brigade_serve
 
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from engine.config import HiCacheConfig
@@ -83,14 +84,42 @@ def real_engine(num_blocks: int) -> dict:
     return {"dtype": "float32", "cache": {"num_blocks": num_blocks}}
 
 
+LAYOUTS = {"colocated": ["--mode", "colocated", "--decode", "1"],
+           "1p1d": ["--mode", "disaggregated", "--prefill", "1", "--decode", "1"]}
+
+
+async def served_answers(base: str, prompts: list[list[int]]) -> list[dict]:
+    """The 16 prompts sent at once: plain ones as token ids to /v1/completions, the questions
+    as messages to /v1/chat/completions (the server renders SmolLM2's template itself)."""
+    import httpx
+
+    greedy = {"max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    bodies = [("/v1/completions", {"prompt": p, **greedy}) for p in prompts[:len(PLAIN)]]
+    bodies += [("/v1/chat/completions", {"messages": [{"role": "user", "content": q}], **greedy})
+               for q in QUESTIONS]
+    async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+        replies = await asyncio.gather(*(client.post(path, json=body) for path, body in bodies))
+    for r in replies:
+        assert r.status_code == 200, r.text
+    return [r.json() for r in replies]
+
+
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout", [{"mode": "colocated", "decode": 1},
-                                    {"mode": "disaggregated", "prefill": 1, "decode": 1}],
-                         ids=["colocated", "1p1d"])
-def test_cluster_matches_transformers(smollm2, reference, ray_cluster, layout) -> None:
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_brigade_serve_matches_transformers(smollm2, reference, layout, tmp_path) -> None:
+    """A real `brigade serve` process over HTTP, colocated and 1 prefill + 1 decode."""
     prompts, want = reference
-    cl = ray_cluster(model=str(smollm2), num_cpus=3, engine=real_engine(256), **layout)
-    assert cluster_tokens(cl, prompts, layout["mode"]) == want
+    flags = ["--model", str(smollm2), "--dtype", "float32", "--num-blocks", "256", "--num-cpus", "3",
+             "--http-port", "0", "--grpc-port", "0", *LAYOUTS[layout]]
+    with brigade_serve(flags, tmp_path / "serve.log", timeout_s=300) as served:
+        answers = asyncio.run(served_answers(served.http_base, prompts))
+    choices = [a["choices"][0] for a in answers]
+    assert [c["token_ids"] for c in choices] == want
+    assert [a["usage"]["prompt_tokens"] for a in answers] == [len(p) for p in prompts]  # the same chat template
+    tok = Tokenizer.from_dir(smollm2)
+    texts = [c["text"] for c in choices[:len(PLAIN)]] + [c["message"]["content"] for c in choices[len(PLAIN):]]
+    assert texts == [tok.decode(c["token_ids"]) for c in choices]
+    assert "Paris" in texts[12]  # "What is the capital of France?"
 
 
 @pytest.mark.timeout(900)
