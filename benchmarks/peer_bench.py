@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -114,6 +115,7 @@ def probe(threads: int) -> dict:
 # -- vLLM's venv -------------------------------------------------------------------------------
 def ensure_vllm() -> Path | None:
     """vLLM's python, installing it on first use; None (with a message) when that fails."""
+    ensure_tcmalloc()
     py = VLLM_VENV / "bin" / "python"
     if py.is_file() and subprocess.run([py, "-c", "import vllm"], capture_output=True,
                                        env=vllm_env(1)).returncode == 0:
@@ -127,6 +129,20 @@ def ensure_vllm() -> Path | None:
         print(f"vLLM install failed ({exc}); its rows are recorded as n/a", flush=True)
         return None
     return py
+
+
+def ensure_tcmalloc() -> None:
+    """vLLM's CPU build is run with tcmalloc preloaded, as its docs say: install Debian's
+    libtcmalloc-minimal4 when missing (root), else say how; vLLM then runs without it."""
+    if Path(TCMALLOC).is_file():
+        return
+    apt = ["apt-get", "install", "-y", "libtcmalloc-minimal4"]
+    if os.geteuid() == 0 and shutil.which("apt-get"):
+        print("installing libtcmalloc-minimal4 (vLLM runs with it preloaded)", flush=True)
+        subprocess.run(apt, env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"), capture_output=True)
+    if not Path(TCMALLOC).is_file():
+        print(f"note: {TCMALLOC} is missing, so vLLM runs without tcmalloc (slower); "
+              f"install it with: sudo {' '.join(apt)}", flush=True)
 
 
 def vllm_env(threads: int) -> dict:

@@ -58,9 +58,9 @@ def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device,
     if device.type == "cuda":
         return DTYPES[model_cfg.torch_dtype]
     # Measured quietly on an AMD EPYC with avx512_bf16 (2 threads, SmolLM2-135M, packed oneDNN
-    # linears), bfloat16 beat float32 on every workload: bs1 decode step ~41 vs ~47 ms, 512-token
-    # TTFT 0.56 vs 0.87 s, 16-prompt batch 127 vs 61 tok/s (that one before float32's linears
-    # were packed too). Without the instructions bfloat16 is emulated and ~500x slower.
+    # linears), bfloat16 beat float32 on every workload: bs1 decode 32-38 vs 50 ms per token,
+    # 512-token TTFT 0.46-0.51 vs 0.75 s, 16-prompt batch 187 vs 108 tok/s. Without the
+    # instructions bfloat16 is emulated and ~500x slower.
     # benchmarks/peer_bench.py records auto's pick against the other dtype on each machine it
     # runs on (ratios auto_*_vs_other_dtype).
     return torch.bfloat16 if cpu_has_bf16_dot(cpuinfo) else torch.float32
