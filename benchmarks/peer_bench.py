@@ -262,7 +262,7 @@ def profile_phase(raw: dict, model: str, p: dict, threads: int, env: dict, timeo
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="short workloads, SmolLM2 only, no vLLM (< 1 minute)")
+    ap.add_argument("--quick", action="store_true", help="short: SmolLM2 only, no vLLM, no profile (about a minute)")
     ap.add_argument("--skip-vllm", action="store_true", help="leave vLLM out (recorded as skipped)")
     ap.add_argument("--models", nargs="+", help="models to run (default: smollm2-135m bench)")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
@@ -363,7 +363,8 @@ def main() -> None:
                 print(f"  decode {r['decode_step_s'] * 1e3:.2f} ms/token, TTFT {r['ttft_s'] * 1e3:.0f} ms, "
                       f"batch {r['batch_out_tok_per_s']:.1f} tok/s", flush=True)
             save()
-    profile_phase(raw, models[0], p, args.threads, env, args.timeout)
+    if not args.quick:  # four more model loads: the smoke run stays near a minute
+        profile_phase(raw, models[0], p, args.threads, env, args.timeout)
     raw["probe_after"] = probe(args.threads)
     save(final=True)
     C.print_ratios(ratios, TARGETS, title=NAME)
