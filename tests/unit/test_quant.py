@@ -83,6 +83,17 @@ def test_quantized_linears_agree_below_and_above_the_dense_row_count(rows) -> No
         _close(lin(x), x @ lin.dequantize().t())
 
 
+def top1_agreement_and_worst_error(ref: LLMEngine, other: LLMEngine, prompts) -> tuple[int, float]:
+    """Prompts whose last-position argmax agrees, and the largest logit error in units of the
+    reference's logit standard deviation."""
+    agree, worst = 0, 0.0
+    for p in prompts:
+        a, b = engine_prefill_logits(ref, p), engine_prefill_logits(other, p)
+        agree += int(a.argmax() == b.argmax())
+        worst = max(worst, ((a - b).abs().max() / a.std()).item())
+    return agree, worst
+
+
 def test_int8_engine_tracks_its_float32_reference() -> None:
     def engine(quant: str) -> LLMEngine:
         return LLMEngine(EngineConfig(model="tiny", dtype="float32", quantization=quant,
@@ -91,11 +102,7 @@ def test_int8_engine_tracks_its_float32_reference() -> None:
     ref, q8 = engine("none"), engine("int8")
     assert sum(type(m).__name__ == "Int8Linear" for m in q8.runner.model.modules()) == 2 * 4 + 1
     prompts = make_prompts([5, 17, 40, 64, 100, 9, 33, 70], seed=3)
-    agree, worst = 0, 0.0
-    for p in prompts:
-        a, b = engine_prefill_logits(ref, p), engine_prefill_logits(q8, p)
-        agree += int(a.argmax() == b.argmax())
-        worst = max(worst, ((a - b).abs().max() / a.std()).item())
+    agree, worst = top1_agreement_and_worst_error(ref, q8, prompts)
     assert agree >= 0.9 * len(prompts)
     assert worst < 0.25
 
@@ -135,10 +142,6 @@ def test_bfloat16_tracks_its_float32_reference(name, hf_checkpoints) -> None:
     path = hf_checkpoints.get(name)
     ref, bf = make_engine(path, block_size=4), make_engine(path, block_size=4, dtype="bfloat16")
     prompts = make_prompts([3, 16, 17, 31, 64, 100, 7, 50] * 2, seed=5)
-    agree, worst = 0, 0.0
-    for p in prompts:
-        a, b = engine_prefill_logits(ref, p), engine_prefill_logits(bf, p)
-        agree += int(a.argmax() == b.argmax())
-        worst = max(worst, ((a - b).abs().max() / a.std()).item())
+    agree, worst = top1_agreement_and_worst_error(ref, bf, prompts)
     assert agree >= 0.85 * len(prompts)
     assert worst < 0.2
