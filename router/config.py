@@ -32,6 +32,9 @@ class RouterConfig(_Frozen):
     # A request whose worker dies continues elsewhere from the tokens already sent, at most this
     # many times; then the client gets UNAVAILABLE with the count of tokens it already has.
     max_migrations: int = Field(2, ge=0)
+    # Disaggregated: a prompt whose KV fits on no decode worker right now (every paired one's pool
+    # is full) waits this long for blocks to free, in arrival order, before it is refused with 503.
+    decode_wait_s: float = Field(30.0, ge=0)
 
 
 class IndexConfig(_Frozen):

@@ -6,22 +6,28 @@ request loop migrates it) and NoWorker when no worker can take it.
 Disaggregated: reserve KV blocks on a decode worker paired with the chosen prefill worker,
 prefill (its first token leaves for the client at once, before the KV moves), then the decode
 worker pulls the KV and streams from the second token on. max_tokens 1 needs no decode
-worker at all.
+worker at all. When every paired decode worker's pool is full, requests wait for blocks in
+arrival order (up to RouterConfig.decode_wait_s), as an engine's waiting queue would, rather
+than being refused while the decode workers are merely busy.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
 
 from engine.messages import Chunk, GenerateRequest, Timing
-from router.errors import WorkerLost
+from router.errors import DecodeFull, NoWorker, WorkerLost
 from router.policy import Picker
 from router.pool import WorkerRef
 
 log = logging.getLogger(__name__)
 Attempt = AsyncIterator[tuple[Chunk, WorkerRef | None, WorkerRef | None]]
+# A waiting request tries again whenever a decode stream of this router ends, and at least this
+# often: blocks also free where this router does not see it (another front, a stale reservation).
+RESERVE_POLL_S = 0.2
 
 
 def abort_chunk(request_id: str) -> Chunk:
@@ -29,8 +35,10 @@ def abort_chunk(request_id: str) -> Chunk:
 
 
 class Dispatch:
-    def __init__(self, picker: Picker, colocated: bool):
-        self.picker, self.colocated = picker, colocated
+    def __init__(self, picker: Picker, colocated: bool, decode_wait_s: float = 30.0):
+        self.picker, self.colocated, self.decode_wait_s = picker, colocated, decode_wait_s
+        self._reserve_turn = asyncio.Lock()  # FIFO: held by the request waiting longest for decode blocks
+        self._decode_freed = asyncio.Event()  # set when a decode stream here ends
         # request id -> (prefill, decode, the id the workers know it by: a migrated request's differs)
         self.active: dict[str, tuple[WorkerRef | None, WorkerRef | None, str]] = {}
         self.aborted: set[str] = set()  # active requests abort() was called for
@@ -122,6 +130,7 @@ class Dispatch:
                 prefill.queued_tokens -= queued
             if decode is not None:
                 decode.inflight -= 1
+                self._decode_freed.set()
 
     async def _from_worker(self, worker: WorkerRef, stream: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
         """`worker`'s chunks; a stream that ends without a last chunk lost its worker too."""
@@ -134,14 +143,40 @@ class Dispatch:
 
     async def _reserve(self, req: GenerateRequest, prefill: WorkerRef, avoid: set[str]) -> WorkerRef:
         """A decode worker connected to `prefill` (and not in `avoid`) with blocks for the
-        prompt's KV; its inflight count already includes this request."""
+        prompt's KV; its inflight count already includes this request. Raises NoWorker if none
+        is alive, DecodeFull if their pools stayed full for decode_wait_s."""
+        if not self._reserve_turn.locked():  # nobody is waiting: no queue to respect
+            decode = await self._try_reserve(req, prefill, avoid)
+            if decode is not None:
+                return decode
+        try:
+            async with asyncio.timeout(self.decode_wait_s):
+                async with self._reserve_turn:
+                    while (decode := await self._try_reserve(req, prefill, avoid)) is None:
+                        self._decode_freed.clear()
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._decode_freed.wait(), RESERVE_POLL_S)
+                    return decode
+        except TimeoutError:
+            raise DecodeFull(f"every decode worker's KV cache stayed full for {self.decode_wait_s:g} s "
+                             "(router.decode_wait_s); retry shortly") from None
+
+    async def _try_reserve(self, req: GenerateRequest, prefill: WorkerRef, avoid: set[str]) -> WorkerRef | None:
+        """One pass over the candidate decode workers; None if every live one is full."""
         tried: set[str] = set(avoid)
+        full = False
         while True:
-            decode = self.picker.decode(tried, prefill)
+            try:
+                decode = self.picker.decode(tried, prefill)
+            except NoWorker:
+                if full:
+                    return None
+                raise
             decode.inflight += 1  # before the await, as for the prefill pick
             try:
                 if await decode.client.reserve(req.request_id, len(req.prompt_token_ids)):
                     return decode
+                full = True
             except asyncio.CancelledError:
                 decode.inflight -= 1
                 # The reservation may have been made after all: free it now rather than at hold_timeout_s.

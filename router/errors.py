@@ -30,6 +30,11 @@ class NoWorker(RuntimeError):
     """No live worker of a needed role: retry later."""
 
 
+class DecodeFull(NoWorker):
+    """Every decode worker paired with the prefill worker kept its KV pool full for longer than
+    RouterConfig.decode_wait_s: retry later."""
+
+
 class StreamBroken(NoWorker):
     """A request's workers died more often than RouterConfig.max_migrations allows, after
     `tokens_sent` tokens reached the client: retriable, and the client knows how far it got."""

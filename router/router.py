@@ -36,7 +36,7 @@ class Router:
         self.colocated, self.index = colocated, index
         self.pool = WorkerPool(cfg, colocated, index)
         self.picker = Picker(cfg, self.pool, index)
-        self.dispatch = Dispatch(self.picker, colocated)
+        self.dispatch = Dispatch(self.picker, colocated, cfg.decode_wait_s)
         self.admission = Admission(cfg)
 
     @property

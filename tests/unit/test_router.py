@@ -246,3 +246,50 @@ def test_a_stream_closed_at_its_first_token_frees_the_kv_on_both_workers():
     assert prefill.aborted == ["gone"] and decode.aborted == ["gone"] and not decode.started
     assert router.admission.running == 0 and not router.dispatch.active
     assert all(w.inflight == 0 and w.queued_tokens == 0 for w in router.pool.workers.values())
+
+
+class FullDecode(Decode):
+    """A decode pool with room for `slots` prompts at once; a slot frees when its stream ends."""
+
+    def __init__(self, worker_id: str, slots: int):
+        super().__init__(worker_id)
+        self.slots, self.refused = slots, 0
+
+    async def reserve(self, request_id: str, num_tokens: int) -> bool:
+        if self.slots == 0:
+            self.refused += 1
+            return False
+        self.slots -= 1
+        return await super().reserve(request_id, num_tokens)
+
+    async def generate(self, req, first=None, prefill=None):
+        try:
+            async for chunk in super().generate(req, first, prefill):
+                await asyncio.sleep(0.01)
+                yield chunk
+        finally:
+            self.slots += 1
+
+
+def test_requests_wait_in_arrival_order_for_a_full_decode_pool_instead_of_being_refused():
+    decode = FullDecode("decode-0", slots=1)
+    router = disagg(Prefill("prefill-0"), decode, decode_wait_s=30)
+
+    async def main():
+        return await asyncio.gather(*(_drain(router, req(f"q{i}")) for i in range(4)))
+
+    answers = asyncio.run(main())
+    assert all([t for c in chunks for t in c.token_ids] == expected(6) for chunks in answers)
+    assert decode.refused > 0  # the pool was full, and the waiting requests were served anyway
+    assert [rid for rid, _ in decode.reserved] == ["q0", "q1", "q2", "q3"]
+    assert router.admission.running == 0 and decode.slots == 1
+
+
+def test_a_decode_pool_that_stays_full_is_a_retriable_503_after_decode_wait_s():
+    decode = FullDecode("decode-0", slots=0)
+    router = disagg(Prefill("prefill-0"), decode, decode_wait_s=0.5)
+    with pytest.raises(errors.DecodeFull, match="decode_wait_s") as caught:
+        asyncio.run(_drain(router, req("late")))
+    row = errors.answer(caught.value)
+    assert (row.http_status, row.retry) == (503, True) and decode.refused >= 2  # it tried again while waiting
+    assert router.admission.running == 0 and all(w.inflight == 0 for w in router.pool.workers.values())
