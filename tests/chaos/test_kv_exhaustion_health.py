@@ -21,10 +21,10 @@ import time
 
 import pytest
 import ray
+from cluster_helpers import collect
 from helpers import tiny_model_id
 
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
-from engine.messages import GenerateRequest
 from router.index.query import PrefixIndex
 from router.index.registry import connect
 
@@ -46,17 +46,9 @@ def cluster(ray_cluster, redis_server):
                        router={"health_interval_s": HEALTH_INTERVAL_S})
 
 
-async def collect(router, rid: str, prompt: list[int]):
-    tokens, last = [], None
-    async for ref in router.generate.remote(GenerateRequest(rid, prompt, PARAMS)):
-        last = await ref
-        tokens += last.token_ids
-    return tokens, last
-
-
 def run(router, requests: list[tuple[str, list[int]]]) -> list:
     async def main():
-        return await asyncio.gather(*(collect(router, rid, p) for rid, p in requests))
+        return await asyncio.gather(*(collect(router, rid, p, PARAMS) for rid, p in requests))
     return asyncio.run(asyncio.wait_for(main(), 120))
 
 
@@ -97,10 +89,10 @@ def test_redis_stopped_under_load_loses_no_request_and_the_index_resyncs(cluster
     assert index_available(cluster)
 
     async def main():
-        first = [asyncio.create_task(collect(cluster.router, f"up{i}", p)) for i, p in enumerate(batch)]
+        first = [asyncio.create_task(collect(cluster.router, f"up{i}", p, PARAMS)) for i, p in enumerate(batch)]
         await asyncio.sleep(0.05)  # in flight when Redis goes
         await asyncio.to_thread(redis_server.stop)
-        down = [asyncio.create_task(collect(cluster.router, f"down{i}", p)) for i, p in enumerate(batch)]
+        down = [asyncio.create_task(collect(cluster.router, f"down{i}", p, PARAMS)) for i, p in enumerate(batch)]
         return await asyncio.gather(*first, *down, return_exceptions=True)
 
     try:
