@@ -29,8 +29,9 @@ PARAMS = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def cluster(ray_cluster, redis_server):
+    # decode_wait_s: no refusal however loaded the machine is; the test asserts none happens.
     return ray_cluster(redis_server.url, mode="disaggregated", prefill=1, decode=1,
-                       engine={"cache": {"num_blocks": NUM_BLOCKS}}, router={"decode_wait_s": 600.0})  # no refusal, however loaded the machine
+                       engine={"cache": {"num_blocks": NUM_BLOCKS}}, router={"decode_wait_s": 600.0})
 
 
 @pytest.mark.timeout(720)
