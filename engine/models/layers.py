@@ -57,8 +57,11 @@ class Linear(nn.Module):
 def pack_linears_for_cpu(model: nn.Module, dtype: torch.dtype) -> int:
     """Pack every Linear (tensor-parallel ones included: they call Linear.forward) of a CPU
     float32 / bfloat16 model for oneDNN; returns how many. Quantized linears are another class
-    and keep their own kernels. A no-op where torch was built without oneDNN."""
+    and keep their own kernels. A no-op where torch was built without oneDNN, and for bfloat16
+    where oneDNN has no bfloat16 path on this CPU (AVX2 without avx_ne_convert: MKL runs it)."""
     if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return 0
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return 0
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.packed is None]
     for m in linears:

@@ -13,13 +13,14 @@ once for all rows (measured on a 2-core AVX-512 EPYC, SmolLM2's MLP shapes: 64 r
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 COMPUTE = torch.bfloat16
 DENSE_ROWS = 32
-PACK_ROWS = 64  # torch's int4 CPU packing interleaves rows in runs of this many
 
 
 class QuantLinear(nn.Module):
@@ -105,6 +106,17 @@ class BlockInt8Linear(QuantLinear):
         return y.to(x.dtype)
 
 
+@functools.cache
+def int4_pack_rows() -> int:
+    """How many rows torch's int4 CPU packing interleaves in one run: 64 where its kernels are
+    built for AVX-512, 32 for AVX2. Read off the packing itself: row 16 of a run of 64 is the
+    low nibble of byte 16; in a run of 32 it is the high nibble of byte 0."""
+    probe = torch.zeros(64, 2, dtype=torch.int32)
+    probe[16, 0] = 1
+    packed = torch._convert_weight_to_int4pack_for_cpu(probe, 1).view(-1)
+    return 32 if int(packed[0]) >> 4 else 64
+
+
 class Int4Linear(QuantLinear):
     """Groupwise asymmetric int4 (GGUF Q4_0 / Q4_1 blocks of 32): W[n, k] = (q - 8) * scale + zero,
     scale and zero per (k // group, n), the layout of torch's int4 CPU kernel."""
@@ -120,12 +132,13 @@ class Int4Linear(QuantLinear):
 
     def dense(self) -> torch.Tensor:
         n, k = self.out_features, self.packed.shape[1] * 2
-        if n % PACK_ROWS:  # a layout this file does not unpack: ask the kernel (an identity matmul)
+        run = int4_pack_rows()
+        if n % run:  # a layout this file does not unpack: ask the kernel (an identity matmul)
             eye = torch.eye(k, dtype=COMPUTE)
             return torch._weight_int4pack_mm_for_cpu(eye, self.packed, self.group, self.scale_zero).t()
-        # torch's CPU layout: rows in runs of 64; byte (run, k, j) holds row 64 run + j in its
-        # low nibble and row 64 run + 32 + j in its high one (tests/unit/test_quant.py checks it).
-        b = self.packed.view(n // PACK_ROWS, k, PACK_ROWS // 2)
+        # torch's CPU layout: rows in runs of `run`; byte (r, k, j) holds row run r + j in its low
+        # nibble and row run r + run/2 + j in its high one (tests/unit/test_quant.py checks it).
+        b = self.packed.view(n // run, k, run // 2)
         q = torch.cat((b & 0xF, b >> 4), dim=2).permute(0, 2, 1).reshape(n, k // self.group, self.group)
         sz = self.scale_zero.transpose(0, 1)  # (out, in/g, 2)
         return torch.addcmul(sz[..., 1:], q.to(COMPUTE) - 8, sz[..., :1]).reshape(n, k)  # (q - 8) s + z
