@@ -134,7 +134,7 @@ def plot(runs: list[dict], name: str) -> Path | None:
     fleets = list(dict.fromkeys(r["fleet"] for r in runs))
     if not fleets:
         return None
-    fig, axes = C.new_figure(len(fleets), "TTFT: measured (solid) vs simulated (dashed), this machine")
+    fig, axes = C.new_figure(len(fleets), "TTFT: measured (solid), simulated (dashed)")
     colors = ["tab:blue", "tab:orange", "tab:green", "tab:red"]
     for ax, fleet in zip(axes, fleets):
         for i, r in enumerate(x for x in runs if x["fleet"] == fleet):
