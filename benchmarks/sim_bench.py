@@ -171,7 +171,8 @@ def main() -> int:
             raw["measured_error"] = f"{type(exc).__name__}: {exc}"
             print(f"  measured part failed: {raw['measured_error']}", flush=True)
         else:
-            png = M.plot(raw["measured"].get("validation", []), "sim_bench.quick.ttft" if args.quick else "sim_bench_ttft")
+            plot_name = "sim_bench.quick.ttft" if args.quick else "sim_bench_ttft"
+            png = M.plot(raw["measured"].get("validation", []), plot_name)
             raw["ttft_plot"] = str(png) if png else None
     ratios.update(measured_ratios)
     # The wall-time target assumes the 2 cores are ours; on a shared machine the process's own

@@ -174,5 +174,5 @@ class SimEngine:
                 "prefilled": len(self.prefilled), "reserved": len(self.reservations),
                 "preemptions": self.scheduler.num_preemptions,
                 "prefix_hit_rate": cs.hit_rate if cs else 0.0, "evicted_blocks": cs.evicted_blocks if cs else 0,
-                **({"host_tier": {**self.host.stats, "blocks": len(self.host.blocks), "disk_blocks": len(self.host.disk)}}
-                   if self.host else {})}
+                **({"host_tier": {**self.host.stats, "blocks": len(self.host.blocks),
+                                  "disk_blocks": len(self.host.disk)}} if self.host else {})}
