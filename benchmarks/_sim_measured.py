@@ -23,6 +23,7 @@ profile predict the real scheduler's queueing) does not depend on the weights' v
 """
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 from _sim_validate import Fleet, Load, bench, calibrate, errors, fleet_config, serve, simulate_load, ttft_samples
@@ -89,16 +90,24 @@ def run(out_dir: Path, quick: bool, parts: set[str]) -> tuple[dict, dict]:
         for fleet in dict.fromkeys([*ADVISOR_SWEEP, *([recommended] if recommended else [])]):
             jobs.setdefault(fleet, []).append(("advisor", ADVISOR_LOAD, ADVISOR_SLO))
     measured: dict[tuple[str, str], list[dict]] = {}
+    raw["failed_fleets"] = {}
     for fleet, todo in jobs.items():
         print(f"  brigade serve {fleet.name} ({' '.join(fleet.serve_flags())})", flush=True)
-        with serve(fleet, MODEL, NUM_BLOCKS, out_dir / "logs") as url:
-            for kind, load, slo in todo:
-                measured[(fleet.name, kind)] = bench(url, load, slo, out_dir / f"{fleet.name}-{kind}", fleet.name)
+        try:  # one fleet that will not start (a loaded machine's Ray bootstrap) leaves the others' figures
+            with serve(fleet, MODEL, NUM_BLOCKS, out_dir / "logs") as url:
+                for kind, load, slo in todo:
+                    measured[(fleet.name, kind)] = bench(url, load, slo, out_dir / f"{fleet.name}-{kind}",
+                                                         fleet.name)
+        except (RuntimeError, subprocess.CalledProcessError) as exc:
+            raw["failed_fleets"][fleet.name] = str(exc)
+            print(f"  {fleet.name} failed: {exc}", flush=True)
     ratios: dict = {f"sim_error_{k}": None for k in ("ttft_p50", "ttft_p90", "tpot_mean", "throughput", "hit_ratio")}
     ratios["advisor_goodput_vs_best_measured"] = None
     if "validate" in parts:
         runs = []
         for fleet, load in validation:
+            if (fleet.name, "validate") not in measured:
+                continue
             sims = simulate_load(fleet, load, MODEL, profile_path, NUM_BLOCKS, parse_slo(SLO))
             for m, s in zip(measured[(fleet.name, "validate")], sims):
                 runs.append({"fleet": fleet.name, "rate": s["request_rate"], "errors": errors(m, s),
@@ -113,9 +122,10 @@ def run(out_dir: Path, quick: bool, parts: set[str]) -> tuple[dict, dict]:
     if "advisor" in parts:
         goodput = {name: runs[0]["request_goodput"] or 0.0 for (name, kind), runs in measured.items()
                    if kind == "advisor"}
-        sweep = {f.name: goodput[f.name] for f in ADVISOR_SWEEP}
-        best = max(sweep.values())
-        if recommended is not None and best > 0:
+        sweep = {f.name: goodput[f.name] for f in ADVISOR_SWEEP if f.name in goodput}
+        best = max(sweep.values(), default=0.0)
+        # The ratio needs the recommended fleet and the whole sweep measured.
+        if recommended is not None and recommended.name in goodput and len(sweep) == len(ADVISOR_SWEEP) and best > 0:
             ratios["advisor_goodput_vs_best_measured"] = goodput[recommended.name] / best
         raw["advisor_measured_goodput"] = goodput
         raw["advisor_recommended"] = recommended.name if recommended else None

@@ -129,12 +129,17 @@ def bench(url: str, load: Load, slo: str, out_dir: Path, label: str, warmup: int
     return json.loads((out_dir / "result.json").read_text())["runs"]
 
 
-def calibrate(model: str, threads: int, out: Path) -> dict:
-    """`brigade sim calibrate` here (a subprocess: torch threads are per process); its profile."""
+def calibrate(model: str, threads: int, out: Path, attempts: int = 3) -> dict:
+    """`brigade sim calibrate` here (a subprocess: torch threads are per process); its profile.
+    Tried again when the steps fit no roofline (a burst of other work during the timing)."""
     cmd = [sys.executable, "-m", "cluster.cli", "sim", "calibrate", "--preset", model, "--threads", str(threads),
            "--out", str(out)]
-    subprocess.run(cmd, cwd=ROOT, env=_env(), check=True, stdout=subprocess.DEVNULL)
-    return json.loads(out.read_text())
+    for attempt in range(1, attempts + 1):
+        done = subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if done.returncode == 0:
+            return json.loads(out.read_text())
+        print(f"  calibrate attempt {attempt}: {done.stderr.strip().splitlines()[-1:]}", flush=True)
+    raise RuntimeError(f"brigade sim calibrate failed {attempts} times: {done.stderr.strip()[-300:]}")
 
 
 def fleet_config(fleet: Fleet, model: str, profile: Path, num_blocks: int, policy: str = "kv_aware"):
