@@ -62,6 +62,10 @@ def _add_fleet(p: argparse.ArgumentParser, counts: bool = True) -> None:
     f.add_argument("--num-blocks", type=int, help="KV blocks per worker (default: what device memory holds)")
     f.add_argument("--host-tier-gb", type=float, default=0.0,
                    help="HiCache host memory per prefill worker, GB (0: none); loads back over PCIe 5")
+    f.add_argument("--disk-tier-gb", type=float, default=0.0,
+                   help="HiCache disk per prefill worker, GB (0: none), under the host tier; read back over "
+                        "--disk-link")
+    f.add_argument("--disk-link", default="nvme-gen4", help="the disk tier's read link (default nvme-gen4)")
     f.add_argument("--max-num-seqs", type=int, default=256)
     f.add_argument("--max-num-batched-tokens", type=int, default=8192)
     f.add_argument("--stream-every", type=int, default=16, help="tokens per stream chunk (ITL is per chunk)")
@@ -125,7 +129,8 @@ def fleet_config(args: argparse.Namespace, counts: bool = True):
     base = FleetConfig()
     fields = {"model": args.model, "device": args.device, "link": args.link, "block_size": args.block_size,
               "num_blocks": args.num_blocks, "stream_every": args.stream_every,
-              "host_tier_bytes": args.host_tier_gb * 1e9,
+              "host_tier_bytes": args.host_tier_gb * 1e9, "disk_tier_bytes": args.disk_tier_gb * 1e9,
+              "disk_link": args.disk_link,
               "scheduler": SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                            max_num_batched_tokens=args.max_num_batched_tokens)}
     if counts:

@@ -19,8 +19,16 @@ class RouterConfig(_Frozen):
     # least_loaded, round_robin, random: baselines that ignore the index.
     policy: Literal["kv_aware", "least_loaded", "round_robin", "random"] = "kv_aware"
     # Load-balance guard: a prefill worker whose queued prefill tokens exceed the least loaded
-    # worker's by more than this is not chosen, whatever it has cached.
+    # worker's by more than max(balance_slack_tokens, balance_slack_prompts * this prompt's
+    # length) is not chosen, whatever it has cached. In prompts as well as tokens: a fixed
+    # 8,192 is less than one prompt of a long-context trace (Mooncake's average 12k), where it
+    # barred every worker with anything queued and so decided most picks by load alone.
     balance_slack_tokens: int = Field(8192, ge=0)
+    balance_slack_prompts: float = Field(8.0, ge=0)
+    # What one cached prompt token is worth against one queued token. Above 1: skipping a cached
+    # prefix costs the fleet its compute again, which every later request queues behind, not
+    # only this request's TTFT (docs/ARCHITECTURE.md, "Routing", has the measurement).
+    cache_weight: float = Field(6.0, ge=0)
     # A cached prefix shorter than this fraction of the prompt counts as no hit (see router/policy.py).
     min_hit_fraction: float = Field(0.25, ge=0, le=1)
     # Loading one token's KV back from the host or disk tier, as a fraction of computing it.

@@ -41,6 +41,12 @@ def fit(shape: ModelShape, samples: list[Sample], dtype_bytes: int, name: str = 
     a = np.array(rows)
     weights = 1 / y  # relative error, so the short decode steps count as much as long prefills
     inv_flops, inv_bw, overhead = np.linalg.lstsq(a * weights[:, None], y * weights, rcond=None)[0]
+    if overhead < 0:
+        # A negative per-step time is noise in the prefill samples' intercept (decode steps of a
+        # small batch read nearly the same bytes, so they cannot pin it); clamping it afterwards
+        # would leave the bandwidth fitted against it, and every decode step predicted too slow
+        # by the lost intercept. Fit again with no overhead instead.
+        (inv_flops, inv_bw), overhead = np.linalg.lstsq(a[:, :2] * weights[:, None], y * weights, rcond=None)[0], 0.0
     if inv_flops <= 0 or inv_bw <= 0:
         raise ValueError("the measured steps do not fit a roofline (noisy machine?); run calibrate again")
     profile = DeviceProfile(name=name, peak_flops=1 / inv_flops, mem_bw=1 / inv_bw, mem_bytes=mem_bytes,

@@ -43,18 +43,20 @@ class SimEngine:
         self.pool = BlockPool(num_blocks)
         self.cache = RadixCache(self.pool, CacheEventLog(record_events)) if prefix_cache else None
         self.scheduler = Scheduler(sched, self.pool, self.cache, block_size, model_id)
-        self.host: SimHostTier | None = None  # HiCache's host tier, when attach_host() was called
+        self.host: SimHostTier | None = None  # HiCache's host (and disk) tiers, when attach_host() was called
         self._loads_s = 0.0  # the last planned step's load-back time
         self.seqs: dict[str, Sequence] = {}  # scheduled here (waiting or running)
         self.prefilled: dict[str, Sequence] = {}  # prefill role: first token out, blocks held for the decode side
         self.reservations: dict[str, list[int]] = {}  # decode role: blocks held for a KV on its way
         self._arrivals = itertools.count()
 
-    def attach_host(self, capacity_blocks: int, block_bytes: int, link: LinkProfile) -> None:
-        """Put a host-memory tier (sim/hicache.py) under this engine's prefix cache."""
+    def attach_host(self, capacity_blocks: int, block_bytes: int, link: LinkProfile, disk_blocks: int = 0,
+                    disk_link: LinkProfile | None = None) -> None:
+        """Put a host-memory tier, and a disk tier under it when disk_blocks > 0 (sim/hicache.py),
+        under this engine's prefix cache."""
         if self.cache is None:
             raise ValueError("a host tier needs the prefix cache")
-        self.host = SimHostTier(self.cache, self.pool, capacity_blocks, block_bytes, link)
+        self.host = SimHostTier(self.cache, self.pool, capacity_blocks, block_bytes, link, disk_blocks, disk_link)
         self.scheduler.loader = self.host
 
     # -- requests -----------------------------------------------------------------------
@@ -172,4 +174,5 @@ class SimEngine:
                 "prefilled": len(self.prefilled), "reserved": len(self.reservations),
                 "preemptions": self.scheduler.num_preemptions,
                 "prefix_hit_rate": cs.hit_rate if cs else 0.0, "evicted_blocks": cs.evicted_blocks if cs else 0,
-                **({"host_tier": {**self.host.stats, "blocks": len(self.host.blocks)}} if self.host else {})}
+                **({"host_tier": {**self.host.stats, "blocks": len(self.host.blocks),
+                                  "disk_blocks": len(self.host.disk)}} if self.host else {})}

@@ -41,6 +41,8 @@ class FleetConfig(BaseModel):
     memory_fraction: float = Field(0.9, gt=0, le=1)
     host_tier_bytes: float = Field(0, ge=0)  # HiCache host memory per prefill/mixed worker (0: none)
     host_link: str = "pcie5-x16"  # host memory <-> device
+    disk_tier_bytes: float = Field(0, ge=0)  # HiCache disk (L3) per prefill/mixed worker, under the host tier
+    disk_link: str = "nvme-gen4"  # disk -> device (reads; writes happen off the critical path)
     scheduler: SchedulerConfig = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192)
     router: RouterConfig = RouterConfig(health_interval_s=5.0, max_running=100_000, max_waiting=100_000,
                                         max_waiting_tokens=10**12)
@@ -99,9 +101,10 @@ class Fleet:
         # the request, and cached blocks count as free): off, which spares hashing every prompt again.
         engine = SimEngine(role, self.cfg.scheduler, blocks, self.cfg.block_size, self.shape.name, cost,
                            prefix_cache=role != "decode", record_events=role != "decode")
-        if self.cfg.host_tier_bytes and role != "decode":
+        if (self.cfg.host_tier_bytes or self.cfg.disk_tier_bytes) and role != "decode":
             block_bytes = cost.kv_bytes(self.cfg.block_size)
-            engine.attach_host(int(self.cfg.host_tier_bytes // block_bytes), block_bytes, load_link(self.cfg.host_link))
+            engine.attach_host(int(self.cfg.host_tier_bytes // block_bytes), block_bytes, load_link(self.cfg.host_link),
+                               int(self.cfg.disk_tier_bytes // block_bytes), load_link(self.cfg.disk_link))
         return SimWorker(worker_id, role, engine, self.network, self.link, self.shape.name,
                          cost.kv_bytes(1), index=self.index if role != "decode" else None,
                          publish_delay_s=self.cfg.publish_delay_s, stream_every=self.cfg.stream_every,

@@ -6,6 +6,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+# The shipped shapes (sim/data/models/*.json, each naming its source in "_source") are the
+# published config.json values of SmolLM2-135M(-Instruct), Qwen2.5-0.5B/1.5B/7B(-Instruct),
+# Qwen3-32B, Meta-Llama-3-70B and Qwen3-30B-A3B on huggingface.co. Hugging Face is not
+# reachable from this machine; each number was checked (2026-12-02) against copies of those
+# files in public GitHub repositories found through the code index (e.g. verl's Qwen3-32B
+# config, Megatron-Bridge's Qwen3-MoE test config, MLX / candle ports' pinned Qwen2.5 and
+# SmolLM2 configs). tests/unit/test_sim_shapes.py pins them and their parameter counts.
 MODELS = Path(__file__).parent / "data" / "models"
 
 

@@ -9,7 +9,9 @@ from router.index.view import RecentRoutes
 from router.policy import RoundRobin, cached_tokens, pick_kv_aware, pick_least_loaded, pick_random, ttft_cost
 
 BS = 16
-CFG = RouterConfig(balance_slack_tokens=1000, host_load_cost=0.1, disk_load_cost=0.3)
+# The mechanics at weight 1 and a guard in tokens only; the defaults have their own tests below.
+CFG = RouterConfig(balance_slack_tokens=1000, balance_slack_prompts=0, cache_weight=1, host_load_cost=0.1,
+                   disk_load_cost=0.3)
 
 
 @dataclass
@@ -48,6 +50,34 @@ def test_slow_tiers_cost_their_load_and_the_last_token_is_never_cached():
     pool = [W("dev"), W("host")]
     assert pick_kv_aware(pool, {"dev": PrefixHit(6, 6, 0, 0), "host": PrefixHit(10, 0, 10, 0)}, 161, BS,
                          CFG).worker_id == "host"  # 65 + 0 vs 1 + 16
+
+
+def test_a_cached_token_outweighs_a_queued_one_by_cache_weight():
+    pool = [W("holder", queued_tokens=2000), W("idle")]
+    hits = {"holder": PrefixHit(25, 25, 0, 0)}  # 400 of 500 tokens cached
+    heavy = CFG.model_copy(update={"cache_weight": 6, "balance_slack_tokens": 10**9})
+    assert ttft_cost(pool[0], hits["holder"], 500, BS, heavy) == 2000 + 500 - 6 * 400
+    assert pick_kv_aware(pool, hits, 500, BS, heavy).worker_id == "holder"  # 100 < 500
+    assert pick_kv_aware(pool, hits, 500, BS, CFG.model_copy(update={"balance_slack_tokens": 10**9})
+                         ).worker_id == "idle"  # weight 1: 2100 > 500, the cache is given up
+    pool[0].queued_tokens = 2500  # the weight bounds how far behind a holder may fall: 600 > 500
+    assert pick_kv_aware(pool, hits, 500, BS, heavy).worker_id == "idle"
+
+
+def test_the_guard_scales_with_the_prompt_so_one_queued_long_prompt_does_not_bar_a_worker():
+    by_prompts = CFG.model_copy(update={"balance_slack_prompts": 2, "cache_weight": 6})
+    pool = [W("holder", queued_tokens=3000), W("idle")]
+    hits = {"holder": PrefixHit(120, 120, 0, 0)}  # 1920 of 2000 tokens
+    tokens_only = by_prompts.model_copy(update={"balance_slack_prompts": 0})
+    assert pick_kv_aware(pool, hits, 2000, BS, tokens_only).worker_id == "idle"  # 3000 > 1000 tokens of slack
+    assert pick_kv_aware(pool, hits, 2000, BS, by_prompts).worker_id == "holder"  # within 2 x 2000 tokens
+    pool[0].queued_tokens = 4001
+    assert pick_kv_aware(pool, hits, 2000, BS, by_prompts).worker_id == "idle"  # beyond 4000: barred
+
+
+def test_the_defaults_weigh_the_cache_and_scale_the_guard():
+    d = RouterConfig()
+    assert d.cache_weight > 1 and d.balance_slack_prompts >= d.cache_weight  # the guard never undercuts the weight
 
 
 def test_ties_go_to_fewer_inflight_then_the_id():

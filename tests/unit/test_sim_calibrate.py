@@ -31,3 +31,18 @@ def test_measurements_no_roofline_explains_are_refused() -> None:
     samples.append(Sample("decode", StepWork.of([(1, 10, True)]), 0.01))
     with pytest.raises(ValueError, match="calibrate again"):
         fit(shape, samples, dtype_bytes=4)
+
+
+def test_a_negative_intercept_is_refitted_as_none_not_clamped() -> None:
+    shape = load_shape("bench")
+    truth = DeviceProfile(name="t", peak_flops=60e9, mem_bw=10e9, mem_bytes=8e9, dtype_bytes=4)
+    r = Roofline(shape, truth)
+    works = [("prefill", StepWork.of([(n, 0, True)])) for n in (256, 512, 1024)]
+    works += [("decode", StepWork.of([(1, 258, True)] * b)) for b in (1, 2, 4)]
+    # Noisy prefills whose line crosses zero below the origin: the free fit's intercept is negative.
+    noise = {256: 0.6, 512: 1.0, 1024: 1.1}
+    samples = [Sample(k, w, r.step_s(w) * (noise[w.tokens] if k == "prefill" else 1.0)) for k, w in works]
+    profile, report = fit(shape, samples, dtype_bytes=4)
+    assert profile.step_overhead_s == 0.0
+    decode_errors = [abs(e["error"]) for e in report["samples"] if e["kind"] == "decode"]
+    assert max(decode_errors) < 0.1  # decode steps still predicted at their measured time

@@ -147,3 +147,39 @@ def test_host_tier_keeps_evicted_blocks_and_loads_them_back_at_link_speed() -> N
     assert seconds == pytest.approx(COST.step_s(StepWork.of([(1, 12, True)])) + link.transfer_s(3 << 20))
     e.finish(batch)
     assert e.pool.num_referenced == 0 and e.host.stats["loaded"] == 3
+
+
+def test_disk_tier_keeps_what_host_memory_lets_go_and_loads_it_back_at_disk_speed() -> None:
+    from sim.hardware import load_link
+
+    def evict_a(disk_blocks: int) -> SimEngine:
+        e = make_engine(num_blocks=6, budget=64)
+        e.attach_host(capacity_blocks=0, block_bytes=1 << 20, link=load_link("pcie5-x16"), disk_blocks=disk_blocks,
+                      disk_link=disk)
+        e.add(make_request("a", list(range(13)), 1))
+        run_to_end(e)
+        e.add(make_request("b", list(range(100, 121)), 1))
+        run_to_end(e)  # a's 3 cached blocks are evicted: through host memory (no room there) to disk
+        return e
+
+    disk = load_link("nvme-gen4")
+    e = evict_a(disk_blocks=8)
+    events = [(ev.kind, ev.tier, len(ev.hashes)) for ev in e.take_events() if ev.tier != "device"]
+    assert events == [("stored", "host", 3), ("stored", "disk", 3), ("removed", "host", 3)]  # new tier first
+    again = e.add(make_request("a2", list(range(13)), 1))
+    batch, seconds = e.plan()
+    assert [(s.seq.request_id, s.num_new_tokens) for s in batch] == [("a2", 1)]  # 12 tokens read, not computed
+    assert again.cached_by_tier == {"disk": 12}
+    assert seconds == pytest.approx(COST.step_s(StepWork.of([(1, 12, True)])) + disk.transfer_s(3 << 20))
+    assert e.host.stats["disk_loaded"] == 3 and e.host.stats["loaded"] == 0
+    small = evict_a(disk_blocks=2)  # the disk's own LRU: one of a's blocks goes
+    assert ("removed", "disk", 1) in [(ev.kind, ev.tier, len(ev.hashes)) for ev in small.take_events()]
+    assert len(small.host.disk) == 2
+
+
+def test_a_disk_tier_needs_its_link() -> None:
+    e = make_engine()
+    from sim.hardware import load_link
+
+    with pytest.raises(ValueError, match="disk tier needs its link"):
+        e.attach_host(0, 1 << 20, load_link("pcie5-x16"), disk_blocks=4)

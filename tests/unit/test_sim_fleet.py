@@ -122,3 +122,13 @@ def test_the_random_policy_follows_the_fleet_seed() -> None:
 
     assert picks(1) == picks(1)
     assert any(picks(s) != picks(1) for s in (2, 3, 4))
+
+
+def test_a_prefix_on_the_disk_tier_is_read_back_and_the_router_sees_its_tier() -> None:
+    sessions = [SimSession("a", 0.0, ((list(range(64)), 2),)), SimSession("b", 1.0, ((list(range(500, 621)), 2),)),
+                SimSession("a-again", 2.0, ((list(range(64)), 2),))]
+    small = FLEET.model_copy(update={"prefill": 1, "decode": 1, "num_blocks": 8, "disk_tier_bytes": 1e6})
+    run = simulate(small, sessions)  # no host memory: what the device pool evicts goes to disk
+    assert {r.request_id: r.cached_tokens for r in run["records"]} == {"a": 0, "b": 0, "a-again": 48}
+    tier = run["sim"]["workers"]["prefill-0"]["host_tier"]
+    assert tier["disk_loaded"] == 3 and tier["loaded"] == 0

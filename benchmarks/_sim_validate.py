@@ -1,0 +1,186 @@
+"""Simulated against measured: real `brigade serve` fleets on this machine, loaded with
+`brigade bench run`, beside simulated runs of the same fleets and workloads on the profile
+`brigade sim calibrate` fits here (sim_bench's validation and advisor parts).
+
+A measured run and its simulation share everything that decides the result: the fleet (mode,
+worker counts, KV blocks, block size, scheduler limits, the engine preset), and the requests
+and their arrival times (the simulator builds them with loadtest's own generator, from the
+same seed bench uses for each rate of a sweep). The simulated workers take the calibrated
+step costs of a worker with the torch threads the real one gets (cores / workers).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+READY = re.compile(r"^Brigade serving .* at (http:\S+)/v1 ")
+METRICS = {"ttft_p50": "p50_ttft_ms", "ttft_p90": "p90_ttft_ms", "tpot_mean": "mean_tpot_ms",
+           "throughput": "request_throughput", "hit_ratio": "cache_hit_ratio"}
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """A configuration served for real and simulated. Colocated: `workers` mixed workers."""
+
+    name: str
+    mode: str  # "disaggregated" | "colocated"
+    prefill: int = 0
+    decode: int = 0
+    workers_colocated: int = 0
+
+    @property
+    def workers(self) -> int:
+        return self.workers_colocated if self.mode == "colocated" else self.prefill + self.decode
+
+    def serve_flags(self) -> list[str]:
+        # One core's share per worker, so each gets one torch thread, as the calibrated profile had.
+        cpus = ["--num-cpus", str(self.workers)]
+        if self.mode == "colocated":  # serving_bench.sh's colocated form: --decode N mixed workers
+            return ["--mode", "colocated", "--decode", str(self.workers_colocated), *cpus]
+        return ["--mode", "disaggregated", "--prefill", str(self.prefill), "--decode", str(self.decode), *cpus]
+
+    def sim_fields(self) -> dict:
+        if self.mode == "colocated":
+            return {"mode": "colocated", "prefill": self.workers_colocated, "decode": 0}
+        return {"mode": "disaggregated", "prefill": self.prefill, "decode": self.decode}
+
+
+@dataclass(frozen=True)
+class Load:
+    """A shared-prefix workload (serving_bench.sh's) at a sweep of rates."""
+
+    rates: tuple[float, ...]
+    num_groups: int = 4
+    prompts_per_group: int = 4
+    system_prompt_len: int = 512
+    question_len: int = 32
+    output_len: int = 32
+    burstiness: float = 1.0
+    seed: int = 0
+    vocab_size: int = 4096
+
+    def bench_flags(self) -> list[str]:
+        return ["--workload", "shared-prefix", "--num-groups", str(self.num_groups),
+                "--prompts-per-group", str(self.prompts_per_group), "--system-prompt-len",
+                str(self.system_prompt_len), "--question-len", str(self.question_len),
+                "--output-len", str(self.output_len), "--request-rate", ",".join(map(str, self.rates)),
+                "--burstiness", str(self.burstiness), "--seed", str(self.seed),
+                "--vocab-size", str(self.vocab_size), "--ignore-eos", "--return-token-ids"]
+
+    def workload(self, run_index: int):
+        from loadtest.workloads.shared_prefix import SharedPrefixWorkload
+
+        # bench draws the i-th rate's prompts and arrivals from seed + i (loadtest/runner.py)
+        return SharedPrefixWorkload(num_groups=self.num_groups, prompts_per_group=self.prompts_per_group,
+                                    system_prompt_len=self.system_prompt_len, question_len=self.question_len,
+                                    output_len=self.output_len, seed=self.seed + run_index,
+                                    vocab_size=self.vocab_size)
+
+
+def _env() -> dict:
+    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
+            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+@contextmanager
+def serve(fleet: Fleet, model: str, num_blocks: int, log_dir: Path, ready_timeout_s: float = 300):
+    """`brigade serve` of the fleet; yields its base URL, stops it (SIGTERM, then SIGKILL) after."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    out, err = log_dir / f"{fleet.name}.serve.out", log_dir / f"{fleet.name}.serve.log"
+    cmd = [sys.executable, "-m", "cluster.cli", "serve", *fleet.serve_flags(), "--model", model, "--device", "cpu",
+           "--num-blocks", str(num_blocks), "--http-port", "0", "--grpc-port", "0"]
+    with out.open("w") as fo, err.open("w") as fe:
+        proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, cwd=ROOT, env=_env())
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        url = None
+        while url is None:
+            if proc.poll() is not None:
+                raise RuntimeError(f"brigade serve ({fleet.name}) exited {proc.returncode}; see {err}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"brigade serve ({fleet.name}) not ready after {ready_timeout_s:.0f} s; see {err}")
+            url = next((m.group(1) for line in out.read_text().splitlines() if (m := READY.match(line))), None)
+            time.sleep(0.5)
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def bench(url: str, load: Load, slo: str, out_dir: Path, label: str, warmup: int = 2) -> list[dict]:
+    """`brigade bench run` of the load against url; the result's runs (one per rate)."""
+    cmd = [sys.executable, "-m", "cluster.cli", "bench", "run", "--url", url, "--label", label, "--output-dir",
+           str(out_dir), "--no-progress", *load.bench_flags(), "--slo", slo, "--warmup", str(warmup)]
+    subprocess.run(cmd, cwd=ROOT, env=_env(), check=True, stdout=subprocess.DEVNULL)
+    return json.loads((out_dir / "result.json").read_text())["runs"]
+
+
+def calibrate(model: str, threads: int, out: Path, attempts: int = 3) -> dict:
+    """`brigade sim calibrate` here (a subprocess: torch threads are per process); its profile.
+    Tried again when the steps fit no roofline (a burst of other work during the timing)."""
+    cmd = [sys.executable, "-m", "cluster.cli", "sim", "calibrate", "--preset", model, "--threads", str(threads),
+           "--out", str(out)]
+    for attempt in range(1, attempts + 1):
+        done = subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if done.returncode == 0:
+            return json.loads(out.read_text())
+        print(f"  calibrate attempt {attempt}: {done.stderr.strip().splitlines()[-1:]}", flush=True)
+    raise RuntimeError(f"brigade sim calibrate failed {attempts} times: {done.stderr.strip()[-300:]}")
+
+
+def fleet_config(fleet: Fleet, model: str, profile: Path, num_blocks: int, policy: str = "kv_aware"):
+    """The simulated twin of `serve(fleet, ...)`: the same engine preset, KV pool, block size
+    and scheduler limits as the real workers, the KV link the real pair uses (gloo over loopback)."""
+    from engine.config import CacheConfig, SchedulerConfig
+    from router.config import RouterConfig
+    from sim.fleet import FleetConfig
+
+    return FleetConfig(model=model, device=str(profile), link="gloo-loopback", block_size=CacheConfig().block_size,
+                       num_blocks=num_blocks, scheduler=SchedulerConfig(), stream_every=1,
+                       router=RouterConfig(policy=policy), **fleet.sim_fields())
+
+
+def simulate_load(fleet: Fleet, load: Load, model: str, profile: Path, num_blocks: int, slo: dict) -> list[dict]:
+    """One simulated run per rate of the load, as bench's runs (summary keys and records)."""
+    from cluster.sim_bridge import from_loadtest
+    from sim.fleet import simulate
+
+    cfg = fleet_config(fleet, model, profile, num_blocks)
+    runs = []
+    for i, rate in enumerate(load.rates):
+        sessions = from_loadtest(load.workload(i), rate, burstiness=load.burstiness)
+        runs.append({**simulate(cfg, sessions, slo or None), "request_rate": rate})
+    return runs
+
+
+def errors(measured: dict, simulated: dict) -> dict[str, float | None]:
+    """|simulated - measured| / measured for each validated figure (None where unmeasured)."""
+    out = {}
+    for key, field in METRICS.items():
+        m, s = measured.get(field), simulated.get(field)
+        out[key] = abs(s - m) / m if m and s is not None else None
+    return out
+
+
+def ttft_samples(run: dict) -> list[float]:
+    """A run's TTFTs in ms (bench's records are dicts once read back; the simulator's are objects)."""
+    out = []
+    for r in run.get("records", []):
+        t = r.get("ttft_s") if isinstance(r, dict) else r.ttft_s
+        if t is not None:
+            out.append(t * 1000)
+    return sorted(out)

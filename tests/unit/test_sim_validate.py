@@ -1,0 +1,59 @@
+"""sim_bench's measured-vs-simulated pieces (benchmarks/_sim_validate.py): the simulated twin
+replays exactly the requests and arrival times `brigade bench` sends, and the errors are
+relative to the measured run."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from _sim_validate import Fleet, Load, errors, fleet_config, simulate_load  # noqa: E402
+
+from cluster.sim_bridge import from_loadtest  # noqa: E402
+from loadtest.arrivals import arrival_offsets  # noqa: E402
+from loadtest.config import BenchConfig  # noqa: E402
+from loadtest.runner import _sessions  # noqa: E402
+
+LOAD = Load(rates=(1.0, 4.0), num_groups=2, prompts_per_group=2, system_prompt_len=32, question_len=8, output_len=4,
+            burstiness=0.5, seed=7)
+
+
+def test_each_rate_replays_the_requests_and_arrivals_bench_sends_at_it() -> None:
+    for i, rate in enumerate(LOAD.rates):
+        cfg = BenchConfig(workload=LOAD.workload(0).model_copy(update={"seed": LOAD.seed}))
+        sent = _sessions(cfg, LOAD.seed + i)  # what run_benchmark sends at the i-th rate
+        offsets = arrival_offsets(sent, rate, "poisson", LOAD.burstiness, LOAD.seed + i)
+        sim = from_loadtest(LOAD.workload(i), rate, burstiness=LOAD.burstiness)
+        assert [s.arrival_s for s in sim] == offsets
+        assert [[list(t[0]) for t in s.turns] for s in sim] == [[list(t.content) for t in s.turns] for s in sent]
+        assert [list(s.system) for s in sim] == [list(s.system) for s in sent]
+
+
+def test_the_twin_has_the_served_fleet_s_shape() -> None:
+    mixed = Fleet("2mixed", "colocated", workers_colocated=2)
+    assert mixed.serve_flags() == ["--mode", "colocated", "--decode", "2", "--num-cpus", "2"]
+    cfg = fleet_config(mixed, "tiny", Path("cpu-2core"), 256)
+    assert (cfg.mode, cfg.prefill, cfg.decode, cfg.num_blocks, cfg.link) == ("colocated", 2, 0, 256, "gloo-loopback")
+    pd = Fleet("2p1d", "disaggregated", prefill=2, decode=1)
+    assert pd.serve_flags()[-2:] == ["--num-cpus", "3"] and pd.workers == 3
+
+
+def test_errors_are_relative_to_the_measured_run_and_none_where_unmeasured() -> None:
+    measured = {"p50_ttft_ms": 100.0, "p90_ttft_ms": 200.0, "mean_tpot_ms": None, "request_throughput": 2.0,
+                "cache_hit_ratio": 0.5}
+    simulated = {"p50_ttft_ms": 110.0, "p90_ttft_ms": 150.0, "mean_tpot_ms": 9.0, "request_throughput": 2.0,
+                 "cache_hit_ratio": 0.6}
+    e = errors(measured, simulated)
+    assert e["ttft_p50"] == pytest.approx(0.1) and e["ttft_p90"] == pytest.approx(0.25)
+    assert e["tpot_mean"] is None and e["throughput"] == 0 and e["hit_ratio"] == pytest.approx(0.2)
+
+
+def test_a_simulated_sweep_gives_one_run_per_rate() -> None:
+    runs = simulate_load(Fleet("1p1d", "disaggregated", prefill=1, decode=1), LOAD, "tiny", Path("cpu-2core"), 256,
+                         {"ttft": 1.0})
+    assert [r["request_rate"] for r in runs] == [1.0, 4.0]
+    assert all(r["completed"] == 4 and r["failed"] == 0 for r in runs)
+    assert all(r["cache_hit_ratio"] > 0 for r in runs)  # the second question of each group finds its system prompt
