@@ -73,6 +73,7 @@ class ApiServer(ThreadingHTTPServer):
         self.io_timeout_s = IO_TIMEOUT_S
         self.draining = threading.Event()
         self.health_cache = HealthCache(HEALTH_CACHE_S)
+        self.openapi: dict | None = None  # GET /openapi.json, built on first use
         if frontdoor.tls.enabled:
             try:
                 context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
