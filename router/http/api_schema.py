@@ -15,8 +15,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
 
-from engine.sampling import (MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
-                             MAX_STOP_TOTAL_CHARS, MAX_TOKENS_LIMIT, SEED_RANGE)
+from engine.sampling import (
+    MAX_LOGPROBS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_STOP_TOTAL_CHARS,
+    MAX_TOKENS_LIMIT,
+    SEED_RANGE,
+)
 
 OPENAPI_VERSION = "3.1.0"
 

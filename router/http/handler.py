@@ -31,8 +31,8 @@ from urllib.parse import urlsplit
 from router.auth import DEFAULT_TENANT
 from router.backend import Backend
 from router.errors import ModelNotFound
-from router.http.api_schema import openapi_document
 from router.http.answers import RETRY_AFTER_S, ApiError, api_error, error_body, outcome
+from router.http.api_schema import openapi_document
 from router.http.generation import CLIENT_GONE, ROUTES, Record, generate
 from router.metrics import CONTENT_TYPE
 
