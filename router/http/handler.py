@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import time
 import traceback
 from http.server import BaseHTTPRequestHandler
@@ -40,6 +41,10 @@ if TYPE_CHECKING:
     from router.http.server import ApiServer
 
 IO_TIMEOUT_S = 60.0  # one socket read or write; a client that stalls this long is gone (or slow-loris)
+# The kernel's send buffer for one connection, fixed (Linux would grow it to megabytes for a
+# client that reads slowly): past it the handler's write waits, so a slow reader's stream waits
+# at the door, and the window behind it (engine.messages.STREAM_WINDOW_CHUNKS) up to the worker.
+SEND_BUFFER_BYTES = 128 << 10
 DRAIN_LIMIT_BYTES = 64 << 20  # an oversized body up to this is read and dropped, so the 413 reaches the client
 DOOR = "http"
 
@@ -49,6 +54,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         self.timeout = self.server.io_timeout_s  # applied to the connection by super().setup()
+        self.request.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         super().setup()
 
     def handle_one_request(self) -> None:
