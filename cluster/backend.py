@@ -12,6 +12,8 @@ pool size is the smallest any worker reported at start.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import logging
 import threading
 from collections import Counter
@@ -23,7 +25,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from cluster.config import ClusterConfig
 from engine.engine_setup import context_length, model_id_for
 from engine.llm_engine import check_request
-from engine.messages import Chunk, GenerateRequest
+from engine.messages import STREAM_WINDOW_CHUNKS, Chunk, GenerateRequest
 from engine.model_config import ModelConfig
 from engine.presets import resolve_model
 from engine.sampling import InvalidRequest, SamplingParams
@@ -33,6 +35,7 @@ from router.errors import NoWorker
 log = logging.getLogger(__name__)
 ABORT_DRAIN_S = 5.0  # how long an aborted stream may take to end before its task is cancelled
 STATUS_TIMEOUT_S = 5.0
+HAND_OVER_POLL_S = 0.5  # how often a reading thread waiting for room checks whether its caller left
 
 
 class ClusterBackend:
@@ -84,30 +87,42 @@ class ClusterBackend:
         cancelled) aborts the request and frees its KV.
 
         A thread reads the router's stream with blocking ray.get and hands chunks to the loop:
-        iterating a Ray streaming generator asynchronously costs several times more per chunk."""
+        iterating a Ray streaming generator asynchronously costs several times more per chunk.
+        It holds at most STREAM_WINDOW_CHUNKS unread: for a slow client it waits, the router's
+        stream (backpressured by Ray) waits in turn, and nothing of the answer piles up here."""
         loop = asyncio.get_running_loop()
         stream = self.router.generate.remote(req)
-        queue: asyncio.Queue[Chunk | BaseException] = asyncio.Queue()
+        queue: asyncio.Queue[Chunk | BaseException] = asyncio.Queue(STREAM_WINDOW_CHUNKS)
         ended = asyncio.Event()  # the reading thread has stopped
+        left = threading.Event()  # the caller has stopped reading: the thread reads on, dropping
 
-        def hand_over(fn, *args) -> None:
+        def hand_over(item: Chunk | BaseException) -> None:
             try:
-                loop.call_soon_threadsafe(fn, *args)
+                put = asyncio.run_coroutine_threadsafe(queue.put(item), loop)
             except RuntimeError:  # the loop is closed: nobody is listening any more
-                pass
+                return
+            while not left.is_set() and not loop.is_closed():
+                try:
+                    return put.result(HAND_OVER_POLL_S)
+                except concurrent.futures.TimeoutError:
+                    continue
+                except (concurrent.futures.CancelledError, RuntimeError):
+                    return
+            put.cancel()
 
         def read() -> None:
             try:
                 for ref in stream:
                     chunk = _get(ref)
-                    hand_over(queue.put_nowait, chunk)
+                    hand_over(chunk)
                     if chunk.finished:
                         return
-                hand_over(queue.put_nowait, NoWorker("the router's stream ended without a last chunk; retry"))
+                hand_over(NoWorker("the router's stream ended without a last chunk; retry"))
             except BaseException as exc:  # noqa: BLE001 - every failure goes to the reader
-                hand_over(queue.put_nowait, exc)
+                hand_over(exc)
             finally:
-                hand_over(ended.set)
+                with contextlib.suppress(RuntimeError):  # the loop is closed
+                    loop.call_soon_threadsafe(ended.set)
 
         threading.Thread(target=read, name=f"stream-{req.request_id}", daemon=True).start()
         finished = False
@@ -120,6 +135,7 @@ class ClusterBackend:
                 finished = item.finished
                 yield item
         finally:
+            left.set()
             if not finished:  # shielded: a second cancellation must not stop the abort half-way
                 await asyncio.shield(self._abort(req.request_id, stream, ended))
 

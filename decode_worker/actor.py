@@ -9,7 +9,7 @@ import ray
 
 from decode_worker.worker import DecodeWorker
 from engine import EngineConfig
-from engine.messages import Chunk, GenerateRequest, PrefillResult
+from engine.messages import STREAM_WINDOW_CHUNKS, Chunk, GenerateRequest, PrefillResult
 from engine.worker_base import PublisherFactory, WorkerActor
 from kv_transfer import TransferConfig
 
@@ -43,6 +43,7 @@ class DecodeActor(WorkerActor):
     async def reserve(self, request_id: str, num_tokens: int) -> bool:
         return await asyncio.to_thread(self.worker.reserve, request_id, num_tokens)
 
+    @ray.method(_generator_backpressure_num_objects=STREAM_WINDOW_CHUNKS)
     async def generate(self, req: GenerateRequest, first: PrefillResult, prefill_id: str,
                        prefill: ray.actor.ActorHandle) -> AsyncIterator[Chunk]:
         """Pull the KV from `prefill`, then stream from the second token on (DecodeWorker.stream)."""
@@ -50,6 +51,7 @@ class DecodeActor(WorkerActor):
         async for chunk in self.worker.stream(req, first, prefill_id, push):
             yield chunk
 
+    @ray.method(_generator_backpressure_num_objects=STREAM_WINDOW_CHUNKS)
     async def generate_local(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
         """A whole request on this worker (colocated mode)."""
         async for chunk in self.worker.stream_local(req):

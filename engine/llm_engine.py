@@ -65,14 +65,16 @@ class LLMEngine:
 
         `checked`: the request was checked against this model where it was built (a door's
         Backend.validate, before the GenerateRequest crossed to a worker), so only what needs
-        this engine's own knowledge is checked here: its pool, its scheduler, its request ids.
+        this engine's own knowledge is checked here (its pool, its scheduler, its request ids),
+        and the token range, which would otherwise fail the whole batch's forward pass.
         Unchecked (the engine used directly), the whole check runs here."""
         params = params or SamplingParams()
         if request_id in self.seqs or request_id in self.prefilled or request_id in self.reservations:
             raise InvalidRequest("request_id", f"request {request_id!r} is already in this engine")
         token_ids = self.tokenize(prompt)
         if checked:
-            check_fits(token_ids, params, block_size=self.block_size, num_blocks=self.pool.num_blocks)
+            check_fits(token_ids, params, block_size=self.block_size, num_blocks=self.pool.num_blocks,
+                       vocab_size=self.model_config.vocab_size)
         else:
             self.validate(token_ids, params)
         sched = self.config.scheduler
@@ -296,7 +298,8 @@ class LLMEngine:
         fits this engine's pool is checked here.
         """
         try:
-            check_fits(prompt_token_ids, params, block_size=self.block_size, num_blocks=self.pool.num_blocks)
+            check_fits(prompt_token_ids, params, block_size=self.block_size, num_blocks=self.pool.num_blocks,
+                       vocab_size=self.model_config.vocab_size)
         except InvalidRequest:
             self.pool.release(self.reservations.pop(request_id, []))
             raise
@@ -356,9 +359,7 @@ def check_request(token_ids: list[int], params: SamplingParams, *, vocab_size: i
     directly. Workers trust the GenerateRequest and run only check_fits, on their own pool."""
     if not token_ids:
         raise InvalidRequest("prompt", "prompt is empty")
-    bad = [t for t in token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequest("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    check_token_range(token_ids, vocab_size)
     if len(token_ids) >= max_model_len:
         raise InvalidRequest("prompt", f"prompt has {len(token_ids)} tokens; this model's context is "
                                        f"{max_model_len} (prompt + output must fit)")
@@ -374,12 +375,23 @@ def check_request(token_ids: list[int], params: SamplingParams, *, vocab_size: i
     if params.resumed_tokens >= len(token_ids):
         raise InvalidRequest("resumed_tokens", f"{params.resumed_tokens} resumed tokens leave no prompt of the "
                                                f"{len(token_ids)} tokens")
-    check_fits(token_ids, params, block_size=block_size, num_blocks=num_blocks)
+    check_fits(token_ids, params, block_size=block_size, num_blocks=num_blocks, vocab_size=vocab_size)
 
 
-def check_fits(token_ids: list[int], params: SamplingParams, *, block_size: int, num_blocks: int) -> None:
+def check_token_range(token_ids: list[int], vocab_size: int) -> None:
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_fits(token_ids: list[int], params: SamplingParams, *, block_size: int, num_blocks: int,
+               vocab_size: int) -> None:
     """Raise InvalidRequest if the prompt and its whole output can never be in a pool of
-    `num_blocks`: the one part of the request check a worker runs, since only it knows its pool."""
+    `num_blocks`: the part of the request check a worker runs, since only it knows its pool. The
+    token range again too (cheap): an id outside the embedding would fail the forward pass of
+    the whole batch, so a request that reached a worker without a door's check cannot kill it."""
+    if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
+        check_token_range(token_ids, vocab_size)
     total = len(token_ids) + params.max_tokens
     if -(-total // block_size) > num_blocks:
         raise InvalidRequest("max_tokens", f"needs {-(-total // block_size)} KV blocks; "

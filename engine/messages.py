@@ -16,6 +16,11 @@ from dataclasses import dataclass, field
 from engine.outputs import Usage
 from engine.sampling import SamplingParams, TokenLogprobs
 
+# How many Chunks a stream may run ahead of its reader at each hop (decode worker -> router ->
+# door): past it the sender waits, so a client that reads slowly holds its request's admission
+# slot instead of making the router and the door buffer its whole answer.
+STREAM_WINDOW_CHUNKS = 16
+
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # engine/sampler.py _mix's multiplier
 _GOLDEN_INV = pow(_GOLDEN, -1, 1 << 64)

@@ -5,7 +5,7 @@ from collections.abc import AsyncIterator
 
 import ray
 
-from engine.messages import Chunk, GenerateRequest
+from engine.messages import STREAM_WINDOW_CHUNKS, Chunk, GenerateRequest
 from router.config import IndexLink, RouterConfig
 from router.index.view import IndexView
 from router.router import Router
@@ -25,7 +25,10 @@ class RouterActor:
     async def remove_worker(self, worker_id: str) -> bool:
         return await self.router.remove_worker(worker_id)
 
+    @ray.method(_generator_backpressure_num_objects=STREAM_WINDOW_CHUNKS)
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
+        """Runs at most STREAM_WINDOW_CHUNKS ahead of its reader: a slow client's request keeps
+        its admission slot until the client has read it."""
         async for chunk in self.router.generate(req):
             yield chunk
 

@@ -21,17 +21,22 @@ SAMPLING_FIELDS: dict[str, str] = {
 }
 
 
+def _integral(value: Any) -> Any:
+    """An integral float (3.0: JSON Schema's integer too, and what some clients send) as its int."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 def _convert(name: str, value: Any) -> Any:
     kind = SAMPLING_FIELDS[name]
     is_int = isinstance(value, int) and not isinstance(value, bool)
-    if kind == "int" and is_int:
-        return value
+    if kind == "int" and (is_int or isinstance(_integral(value), int)):
+        return _integral(value)
     if kind == "number" and (is_int or isinstance(value, float)):
         return value  # SamplingParams makes it a float (an int too large for one is refused there)
     if kind == "bool" and isinstance(value, bool):
         return value
     if kind == "ints" and isinstance(value, list):
-        return tuple(value)  # SamplingParams checks each id
+        return tuple(map(_integral, value))  # SamplingParams checks each id
     if kind == "strings":
         if isinstance(value, str):
             return (value,)
@@ -49,8 +54,9 @@ def sampling_params(fields: dict[str, Any], base: SamplingParams, allowed: Itera
 
 
 def token_ids(value: Any, field_name: str) -> list[int]:
-    """A JSON list of token ids; the range check against the vocabulary is the engine's."""
-    if (not isinstance(value, list) or not value
-            or not all(isinstance(t, int) and not isinstance(t, bool) for t in value)):
+    """A JSON list of token ids (integral floats as their ints); the range check against the
+    vocabulary is the engine's."""
+    ids = list(map(_integral, value)) if isinstance(value, list) else value
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise InvalidRequest(field_name, f"must be a non-empty list of integer token ids, got {value!r:.80}")
-    return value
+    return ids

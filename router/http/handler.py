@@ -1,7 +1,8 @@
 """One connection at the OpenAI-compatible HTTP front door: the stdlib handler for its requests.
 
 Per request: its header and body deadlines (router/http/guards.py), auth, then the route:
-GET /health (cached for HEALTH_CACHE_S), /metrics, /v1/models[/{id}]; POST /v1/completions and
+GET /health (cached for HEALTH_CACHE_S), /metrics, /v1/models[/{id}], /openapi.json (the API's
+OpenAPI 3.1 document, router/http/api_schema.py); POST /v1/completions and
 /v1/chat/completions go to router/http/generation.py once the body is read and is a JSON object.
 
 Errors are OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}` (router/http/answers.py),
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import time
 import traceback
 from http.server import BaseHTTPRequestHandler
@@ -31,6 +33,7 @@ from router.auth import DEFAULT_TENANT
 from router.backend import Backend
 from router.errors import ModelNotFound
 from router.http.answers import RETRY_AFTER_S, ApiError, api_error, error_body, outcome
+from router.http.api_schema import openapi_document
 from router.http.generation import CLIENT_GONE, ROUTES, Record, generate
 from router.metrics import CONTENT_TYPE
 
@@ -38,6 +41,10 @@ if TYPE_CHECKING:
     from router.http.server import ApiServer
 
 IO_TIMEOUT_S = 60.0  # one socket read or write; a client that stalls this long is gone (or slow-loris)
+# The kernel's send buffer for one connection, fixed (Linux would grow it to megabytes for a
+# client that reads slowly): past it the handler's write waits, so a slow reader's stream waits
+# at the door, and the window behind it (engine.messages.STREAM_WINDOW_CHUNKS) up to the worker.
+SEND_BUFFER_BYTES = 128 << 10
 DRAIN_LIMIT_BYTES = 64 << 20  # an oversized body up to this is read and dropped, so the 413 reaches the client
 DOOR = "http"
 
@@ -47,6 +54,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         self.timeout = self.server.io_timeout_s  # applied to the connection by super().setup()
+        self.request.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         super().setup()
 
     def handle_one_request(self) -> None:
@@ -82,13 +90,15 @@ class Handler(BaseHTTPRequestHandler):
             self._authorize()
             if path == "/v1/models":
                 self.send_json(200, {"object": "list", "data": [self._model()]})
+            elif path == "/openapi.json":
+                self.send_json(200, self._openapi())
             elif path.startswith("/v1/models/"):
                 name = path.removeprefix("/v1/models/")
                 if name != self.live_backend().model_name:
                     raise ModelNotFound(name, self.live_backend().model_name)
                 self.send_json(200, self._model())
             else:
-                raise ApiError(404, f"no route GET {path}; try /health, /metrics, /v1/models")
+                raise ApiError(404, f"no route GET {path}; try /health, /metrics, /v1/models, /openapi.json")
         except Exception as exc:
             self._error(api_error(exc))
 
@@ -141,6 +151,15 @@ class Handler(BaseHTTPRequestHandler):
         backend = self.live_backend()
         return {"id": backend.model_name, "object": "model", "created": 0, "owned_by": "brigade",
                 "max_model_len": backend.max_model_len}
+
+    def _openapi(self) -> dict:
+        """Built once per server: it depends only on the served model and the auth settings."""
+        server = self.server
+        if server.openapi is None:
+            backend, auth = self.live_backend(), server.frontdoor.auth
+            server.openapi = openapi_document(backend.model_name, backend.vocab_size, backend.max_model_len,
+                                              server.auth.enabled, auth.public_health)
+        return server.openapi
 
     def _health(self) -> None:
         """Cached for HEALTH_CACHE_S (a flood of probes asks the router once); with auth on, a

@@ -76,7 +76,7 @@ def parse_completion(body: dict, backend) -> ParsedRequest:
 
 def parse_chat(body: dict, backend) -> ParsedRequest:
     common = _common(body, backend)
-    fields = dict(body)
+    fields = body.copy()
     if fields.get("max_completion_tokens") is not None:  # the newer name wins over max_tokens
         fields["max_tokens"] = fields["max_completion_tokens"]
     logprobs, top = _flag(body, "logprobs"), body.get("top_logprobs")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import socket
 import ssl
+import sys
 import threading
 import time
 from http.server import ThreadingHTTPServer
@@ -73,6 +74,7 @@ class ApiServer(ThreadingHTTPServer):
         self.io_timeout_s = IO_TIMEOUT_S
         self.draining = threading.Event()
         self.health_cache = HealthCache(HEALTH_CACHE_S)
+        self.openapi: dict | None = None  # GET /openapi.json, built on first use
         if frontdoor.tls.enabled:
             try:
                 context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -110,6 +112,13 @@ class ApiServer(ThreadingHTTPServer):
             self.shutdown_request(request)
             return
         super().process_request(request, client_address)
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that left (or one the deadlines cut off) while its answer was written is
+        routine, not a traceback in the log: hostile clients could flood it with those."""
+        if isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError, ssl.SSLError)):
+            return
+        super().handle_error(request, client_address)
 
     def process_request_thread(self, request, client_address) -> None:
         try:

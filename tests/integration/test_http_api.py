@@ -43,7 +43,7 @@ class FakeBackend:
     """Two chunks ("ab", then "c" finishing), or `endless` chunks until closed; records every
     generate() call. Validation is the engine's own check_request."""
 
-    model_name, max_model_len = "fake", LIMITS.max_model_len
+    model_name, max_model_len, vocab_size = "fake", LIMITS.max_model_len, LIMITS.vocab_size
 
     def __init__(self) -> None:
         self.calls: list[dict] = []
@@ -222,6 +222,26 @@ def test_models_and_unknown_model(server: ApiServer) -> None:
     assert not server.backend.calls
 
 
+def test_openapi_document_describes_the_served_model(server: ApiServer) -> None:
+    status, data, headers = get(f"{server.url}/openapi.json")
+    doc = json.loads(data)
+    assert status == 200 and headers["Content-Type"] == "application/json" and doc["openapi"].startswith("3.")
+    completion = doc["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert completion["model"]["anyOf"][0] == {"const": "fake", "type": "string"}  # the one model it serves
+    assert next(s["maximum"] for s in completion["top_k"]["anyOf"] if "maximum" in s) == LIMITS.vocab_size
+    assert "security" not in doc
+
+
+def test_integral_floats_are_integers_as_json_schema_has_them(server: ApiServer) -> None:
+    status, _, _ = post(f"{server.url}/v1/completions", {"prompt": [1.0, 2.0], "max_tokens": 3.0, "seed": 0.0,
+                                                         "top_k": 5.0, "stop_token_ids": [4.0]})
+    assert status == 200
+    params = server.backend.calls[-1]["params"]
+    assert server.backend.calls[-1]["ids"] == [1, 2] and (params.max_tokens, params.seed, params.top_k) == (3, 0, 5)
+    status, err, _ = post(f"{server.url}/v1/completions", {"prompt": "hi", "max_tokens": 2.5})
+    assert status == 400 and err["error"]["param"] == "max_tokens"
+
+
 # -- refusals -----------------------------------------------------------------------------------
 
 
@@ -372,6 +392,8 @@ def test_auth_needs_a_known_bearer_token_and_salts_by_tenant(authed: ApiServer) 
         assert status == 401 and headers["WWW-Authenticate"].startswith("Bearer")
         assert err["error"]["type"] == "authentication_error" and err["error"]["code"] == "invalid_api_key"
     assert get(f"{authed.url}/v1/models")[0] == 401
+    assert get(f"{authed.url}/openapi.json")[0] == 401
+    assert json.loads(get(f"{authed.url}/openapi.json", ACME)[1])["security"] == [{"bearer": []}]
     assert get(f"{authed.url}/metrics")[0] == 401
     assert get(f"{authed.url}/health")[0] == 200  # public_health
     assert not authed.backend.calls

@@ -2,21 +2,25 @@
 gloo, the `tiny` preset), called with the official `openai` client, with auth on.
 
 Greedy chat and completion tokens must equal the single-process engine's; cached prompt
-tokens surface in `usage`; refused requests never reach a worker; a client that leaves
-mid-stream gets its request aborted and every KV block back on both workers.
+tokens surface in `usage`; refused requests never reach a worker; the whole invalid-request
+table and a corpus of mutated bodies kill no worker (same actor ids, no engine error); a client
+that leaves mid-stream gets its request aborted and every KV block back on both workers.
 """
 from __future__ import annotations
 
 import json
+import random
 import socket
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import httpx
 import openai
 import pytest
 import ray
-from invalid_cases import CASES, Limits
+from invalid_cases import CASES, HTTP_CASES, Limits
 from support import wait_for
 
 from cluster.backend import ClusterBackend
@@ -183,3 +187,78 @@ def test_a_client_that_leaves_mid_stream_frees_its_kv(served: Served) -> None:
     # The router lets go of the request when its generator closes, a moment after the workers did.
     wait_for(lambda: ray.get(served.cluster.router.status.remote())["running"] == 0, 10, "the router idle", 0.05)
     assert cancelled() == before + 1
+
+
+EXTREMES = [None, True, False, -1, 0, 1, 2**31, 2**63, 2**64, -(2**63) - 1, 10**400, 1e308, -1e308, 0.5, "",
+            "x" * 5000, "\u0000", [], {}, [[]], [2**63], [-1], ["a"] * 100, {"a": [1] * 10}]
+BASES = {"/v1/completions": {"model": "tiny", "prompt": "hello", "max_tokens": 3, "temperature": 0.5,
+                             "top_p": 0.9, "top_k": 5, "seed": 1, "stop": ["x"], "logprobs": 2},
+         "/v1/chat/completions": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                  "max_completion_tokens": 3, "logprobs": True, "top_logprobs": 2,
+                                  "stream": True, "stop_token_ids": [3]}}
+FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
+          "seed", "stop", "stop_token_ids", "logprobs", "top_logprobs", "stream", "stream_options", "n", "echo",
+          "ignore_eos", "cache_salt", "return_token_ids", "chat_template_kwargs", "documents", "model"]
+
+
+def fuzz_corpus(rng: random.Random, n: int) -> list[tuple[str, bytes]]:
+    """Valid bodies with fields set to extremes, dropped or added, and their bytes flipped,
+    truncated or spliced."""
+    out = []
+    for _ in range(n):
+        path = rng.choice(list(BASES))
+        body = dict(BASES[path])
+        for _ in range(rng.randint(1, 3)):
+            name = rng.choice(FIELDS)
+            if rng.random() < 0.2:
+                body.pop(name, None)
+            else:
+                body[name] = rng.choice(EXTREMES)
+        data = bytearray(json.dumps(body).encode())
+        if rng.random() < 0.3:
+            at = rng.randrange(len(data))
+            op = rng.randrange(3)
+            if op == 0:
+                data[at] ^= 1 << rng.randrange(8)
+            elif op == 1:
+                del data[at:]
+            else:
+                data[at:at] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 4)))
+        out.append((path, bytes(data)))
+    return out
+
+
+def workers_fine(cluster: Cluster) -> dict[str, str]:
+    """Every worker's actor id, after checking each is alive with no engine error."""
+    health = ray.get([h.health.remote() for h in cluster.workers.values()])
+    assert all(h.alive and h.error is None for h in health), health
+    return {wid: h._actor_id.hex() for wid, h in cluster.workers.items()}
+
+
+@pytest.mark.timeout(300)
+def test_the_invalid_table_and_a_fuzz_corpus_kill_no_worker(served: Served) -> None:
+    """issue 17: every case of the shared table is refused naming its field, and 600 mutated
+    bodies get deliberate answers (no 5xx, none hangs); afterwards the same workers are alive,
+    with no engine error, every KV pool whole, and the door serves."""
+    actors = workers_fine(served.cluster)
+    limits = Limits(served.backend.max_model_len, served.backend.vocab_size)
+    headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    with httpx.Client(base_url=served.server.url, headers=headers, timeout=60) as http:
+        for case in HTTP_CASES:
+            r = http.post("/v1/completions", content=json.dumps(case.request(limits)))
+            assert r.status_code == 400 and r.json()["error"]["param"] == case.field, (case.name, r.text)
+
+        def send(item: tuple[str, bytes]) -> int:
+            path, data = item
+            with http.stream("POST", path, content=data) as r:
+                r.read()
+                return r.status_code
+
+        with ThreadPoolExecutor(8) as pool:
+            statuses = list(pool.map(send, fuzz_corpus(random.Random(17), 600)))
+    assert max(statuses) < 500, sorted(set(statuses))
+    assert statuses.count(200) > 30 and statuses.count(400) > 100, sorted(set(statuses))
+    pools_whole(served.cluster, 60)
+    wait_for(lambda: ray.get(served.cluster.router.status.remote())["running"] == 0, 30, "the router idle", 0.1)
+    assert workers_fine(served.cluster) == actors  # nobody died or was replaced
+    assert served.api.completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].finish_reason

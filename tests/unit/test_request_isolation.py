@@ -224,3 +224,25 @@ def test_a_checked_request_is_checked_only_against_the_engines_own_pool(engine: 
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert done["ok"].finish_reason == "length"
     assert_pool_clean(engine)
+
+
+@pytest.mark.parametrize("bad_id", [-1, "vocab"])
+def test_a_token_id_outside_the_vocabulary_is_refused_even_when_checked(engine: LLMEngine, bad_id) -> None:
+    """A request that reached a worker without a door's check (checked=True, or a decode-side
+    admit) and carries an id outside the embedding is refused naming the prompt, instead of
+    failing the forward pass of the whole batch; the engine serves on."""
+    vocab = engine.model_config.vocab_size
+    prompt = [5, 6, vocab if bad_id == "vocab" else bad_id]
+    with pytest.raises(InvalidRequest) as err:
+        engine.add_request("bad", prompt, greedy(), checked=True)
+    assert err.value.field == "prompt" and "outside the vocabulary" in str(err.value)
+    blocks = engine.reserve("bad-admit", len(prompt) + 1)
+    assert blocks
+    with pytest.raises(InvalidRequest):
+        engine.admit("bad-admit", prompt, 3, greedy())
+    engine.add_request("ok", PROMPTS[1], greedy(), checked=True)
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done["ok"].finish_reason == "length"
+    assert_pool_clean(engine)

@@ -1,0 +1,121 @@
+"""Chaos: slow readers at the HTTP door (issue 17). Clients stream `max_tokens` 2,000 with 20
+logprobs per token (the largest chunks there are) and read a few hundred bytes a second, from a
+socket with a small receive buffer. Each stream runs at most STREAM_WINDOW_CHUNKS ahead of its
+reader at every hop, so once the decode engine has generated every token, the answers wait in
+the decode worker (bounded by the context of the requests it runs) while the serve process,
+where the doors are, holds next to none of them: its RSS stays flat (without the window it
+would receive every chunk, ~3 KB each). The readers then leave: every request is aborted, the
+KV pools are whole and the door serves. CI runs 16 readers; BRIGADE_CHAOS_FULL=1 runs 50 and
+records the figure."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import psutil
+import pytest
+import ray
+from serve_process import Served, brigade_serve, find_process, ray_address
+from support import FULL, wait_for
+
+READERS = 50 if FULL else 8
+MAX_TOKENS = 2000
+BODY = {"prompt": [5, 6, 7], "max_tokens": MAX_TOKENS, "logprobs": 20, "stream": True, "ignore_eos": True,
+        "temperature": 1.0}
+READ_BYTES, READ_EVERY_S = 256, 0.5
+BLOCK_SIZE = 16
+NUM_BLOCKS = READERS * (-(-(MAX_TOKENS + 3) // BLOCK_SIZE)) + 64
+RSS_GROWTH_LIMIT_MB = 100.0
+CI_RSS_GROWTH_LIMIT_MB = 20.0  # 8 readers: without the window the serve process would take ~45 MB
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    tmp = tmp_path_factory.mktemp("slow_readers")
+    flags = ["--http-port", "0", "--grpc-port", "0", "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", "64"]
+    with brigade_serve(flags, tmp / "serve.log") as s:
+        from cluster.launch import NAMESPACE, _keep_ray_on_loopback
+
+        _keep_ray_on_loopback()  # join as a driver on 127.0.0.1, where its raylet is
+        ray.init(address=ray_address(s), namespace=NAMESPACE, _node_ip_address="127.0.0.1")
+        try:
+            yield s
+        finally:
+            ray.shutdown()
+
+
+class SlowReader(threading.Thread):
+    """One streaming request read READ_BYTES every READ_EVERY_S until `stop`."""
+
+    def __init__(self, host: str, port: int, stop: threading.Event):
+        super().__init__(daemon=True)
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
+        self.sock.settimeout(60)
+        self.sock.connect((host, port))
+        body = json.dumps(BODY).encode()
+        self.sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        self.stop, self.received, self.first = stop, 0, threading.Event()
+
+    def run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                got = self.sock.recv(READ_BYTES)
+                if not got:
+                    break
+                self.received += len(got)
+                self.first.set()
+                self.stop.wait(READ_EVERY_S)
+        except OSError:
+            pass
+        finally:
+            self.sock.close()
+
+
+def decode_stats() -> dict:
+    return ray.get(ray.get_actor("decode-0").stats.remote(), timeout=30)
+
+
+def test_slow_readers_leave_the_serve_process_flat(served: Served, chaos_figure) -> None:
+    door = psutil.Process(served.proc.pid)
+    decode = find_process(served, "ray::DecodeActor")
+    host, port = served.http_base.removeprefix("http://").rsplit(":", 1)
+    stop = threading.Event()
+    readers = [SlowReader(host, int(port), stop) for _ in range(READERS)]
+    try:
+        for r in readers:
+            r.start()
+        for r in readers:
+            assert r.first.wait(120), "a stream never started"
+        door_before, decode_before = door.memory_info().rss, decode.memory_info().rss
+        began = time.monotonic()
+        # Every token generated: without the window they would all be in the serve process by now.
+        wait_for(lambda: decode_stats()["running"] == 0, 600, lambda: f"the engine done; now {decode_stats()}", 1.0)
+        generate_s = time.monotonic() - began
+        time.sleep(2 * READ_EVERY_S)  # whatever was in transit arrives
+        door_growth = (door.memory_info().rss - door_before) / 2**20
+        decode_growth = (decode.memory_info().rss - decode_before) / 2**20
+        received = sum(r.received for r in readers)
+    finally:
+        stop.set()
+        for r in readers:
+            r.join(30)
+    # The readers left: every request aborted, every block back, and the door still serves.
+    wait_for(lambda: (s := decode_stats())["free_blocks"] == s["num_blocks"] and s["running"] == 0, 120,
+             lambda: f"the decode pool whole; now {decode_stats()}", 0.5)
+    ok = httpx.post(f"{served.http_base}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3}, timeout=120)
+    chaos_figure("slow_readers", ratios={"rss_growth_mb": round(door_growth, 1)},
+                 targets={"rss_growth_mb": f"< {RSS_GROWTH_LIMIT_MB:g}"}, readers=READERS, max_tokens=MAX_TOKENS,
+                 logprobs=BODY["logprobs"], generate_s=round(generate_s, 1), bytes_read=received,
+                 decode_worker_rss_growth_mb=round(decode_growth, 1), completion_after=ok.status_code)
+    print(f"\nslow readers: {READERS} streams generated in {generate_s:.0f} s; serve process RSS "
+          f"+{door_growth:.1f} MB, decode worker +{decode_growth:.1f} MB; {received} bytes read")
+    assert door_growth < (RSS_GROWTH_LIMIT_MB if FULL else CI_RSS_GROWTH_LIMIT_MB)
+    assert ok.status_code == 200
