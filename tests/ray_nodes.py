@@ -15,6 +15,7 @@ it at once (`RayNode.kill`), never `ray stop` (which stops every Ray on the mach
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import secrets
@@ -36,6 +37,14 @@ OBJECT_STORE_BYTES = 80 << 20  # Ray's minimum is 75 MiB; KV moves over torch.di
 # call; this bounds how long a call to a dead node's actor waits to fail.
 HEAD_SYSTEM_CONFIG = {"health_check_period_ms": 1000, "health_check_failure_threshold": 2,
                       "health_check_timeout_ms": 1000}
+
+
+@functools.cache
+def process_token() -> str:
+    """One Ray auth token for every cluster this process makes: Ray's C++ client loads the token
+    once per process (AuthenticationTokenLoader) and keeps it, so a second cluster under another
+    token would refuse this process's GCS clients."""
+    return secrets.token_hex(24)
 
 
 def free_port(ip: str, lo: int = 19000, hi: int = 19999) -> int:
@@ -103,7 +112,7 @@ class RayNodes:
     """The cluster: `head` first, then `add(ip, resources)` per worker node; `stop()` kills all."""
 
     tmp: Path
-    token: str = field(default_factory=lambda: secrets.token_hex(24))
+    token: str = field(default_factory=process_token)
     nodes: list[RayNode] = field(default_factory=list)
     gcs_port: int = 0
 
