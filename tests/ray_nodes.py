@@ -29,6 +29,7 @@ from pathlib import Path
 
 import psutil
 
+RAY_BOOTSTRAP_FAILURES = ("timed out during startup", "Failed to get node info", "Timed out waiting for file")
 RAY = str(Path(sys.executable).with_name("ray"))
 HEAD_IP = "127.0.19.1"
 OBJECT_STORE_BYTES = 80 << 20  # Ray's minimum is 75 MiB; KV moves over torch.distributed
@@ -143,13 +144,25 @@ class RayNodes:
         cmd = [RAY, "start", "--block", "--node-ip-address", ip, "--num-cpus", str(num_cpus),
                "--resources", json.dumps(resources), "--object-store-memory", str(OBJECT_STORE_BYTES),
                "--min-worker-port", str(lo), "--max-worker-port", str(lo + 99), "--disable-usage-stats", *flags]
-        with log.open("w") as out:  # its own session: kill() finds every process of the node by it
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env={**os.environ, **self.env})
-        node = RayNode(ip, resources, proc, log, head="--head" in flags)
-        self.nodes.append(node)
-        self.wait_alive(ip, node)
-        return node
+        for attempt in (1, 2):
+            with log.open("w") as out:  # its own session: kill() finds every process of the node by it
+                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                        env={**os.environ, **self.env})
+            node = RayNode(ip, resources, proc, log, head="--head" in flags)
+            self.nodes.append(node)
+            try:
+                self.wait_alive(ip, node)
+                return node
+            except RuntimeError:
+                # On a loaded machine Ray's own bootstrap now and then misses its fixed waits (as
+                # serve_process.RAY_BOOTSTRAP_FAILURES): stop what it started, once more.
+                text = log.read_text()
+                if attempt == 2 or not any(f in text for f in RAY_BOOTSTRAP_FAILURES):
+                    raise
+                node.kill()
+                self.nodes.remove(node)
+                log.rename(log.with_suffix(".first-attempt.log"))
+        raise AssertionError("unreachable")
 
     def wait_alive(self, ip: str, node: RayNode, timeout_s: float = 180.0) -> None:
         deadline = time.monotonic() + timeout_s

@@ -799,4 +799,5 @@ def test_fronts_reach_the_ray_cluster_and_redis_and_only_clients_reach_their_doo
         {"podSelector": {"matchLabels": {"ray.io/cluster": "brigade"}}}, {"podSelector": {"matchLabels": fronts}}]}]
     doors = policies["brigade-front-doors"]["ingress"]
     assert [sorted(p["port"] for p in rule["ports"]) for rule in doors] == [[8000, 50051]]
-    assert doors[0]["from"] == [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"brigade.io/client": "true"}}}]
+    clients = {"matchLabels": {"brigade.io/client": "true"}}
+    assert doors[0]["from"] == [{"namespaceSelector": {}, "podSelector": clients}]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -107,7 +108,7 @@ def test_a_driver_without_the_token_is_refused(nodes: RayNodes) -> None:
     import subprocess
     import sys
 
-    code = ("import ray; ray.init(address=%r, _node_ip_address=%r)" % (nodes.address, HEAD_IP))
+    code = f"import ray; ray.init(address={nodes.address!r}, _node_ip_address={HEAD_IP!r})"
     env = {**os.environ, **nodes.env, "RAY_AUTH_TOKEN": "not-the-token-" + "0" * 20}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
     assert res.returncode != 0 and ("Authentication" in res.stderr or "Failed to connect" in res.stderr), \
@@ -164,6 +165,61 @@ def test_kv_transfer_runs_between_the_nodes_addresses_and_nothing_listens_on_a_w
     to_prefill = [c for c in established["decode"] if (c.raddr.ip, c.raddr.port) in at["prefill"]]
     assert to_decode or to_prefill, established
     assert len({c.raddr.port for c in to_decode + to_prefill}) >= 2  # both ranks are paired
+
+
+def _cross_node_pairs(nodes: RayNodes) -> list:
+    """The established connections between the two nodes' workers, as the decode node's processes
+    see them: those to an address a prefill-node worker listens on (gloo pairs), plus those from
+    the prefill node to an address a decode-node worker listens on."""
+    listening = {ip: {(c.laddr.ip, c.laddr.port) for _, c in _brigade_sockets(nodes.node(ip), "listen")}
+                 for ip in (PREFILL_IP, DECODE_IP)}
+    conns = lambda ip: [c for _, c in _brigade_sockets(nodes.node(ip), "connections")  # noqa: E731
+                        if c.status == psutil.CONN_ESTABLISHED and c.raddr]
+    return ([c for c in conns(DECODE_IP) if (c.raddr.ip, c.raddr.port) in listening[PREFILL_IP]]
+            + [c for c in conns(PREFILL_IP) if (c.raddr.ip, c.raddr.port) in listening[DECODE_IP]])
+
+
+def _reset(conn) -> None:
+    """Abort one TCP connection of another process as a network fault would (`ss -K`, as
+    tests/chaos/test_kv_link_faults.py does: needs CAP_NET_ADMIN; the Makefile installs iproute2)."""
+    import subprocess
+
+    (lhost, lport), (rhost, rport) = conn.laddr, conn.raddr
+    res = subprocess.run(["ss", "-K", "src", lhost, "sport", "=", f":{lport}", "dst", rhost, "dport", "=", f":{rport}"],
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, f"ss -K could not reset {conn}: {res.stderr}"
+
+
+def test_a_lost_kv_link_between_nodes_is_recomputed_around_and_the_pair_rebuilt(nodes: RayNodes, owner: Served,
+                                                                              reference: list[int]) -> None:
+    import shutil
+
+    from support import wait_for
+
+    assert shutil.which("ss"), "iproute2's ss is needed: `make system-deps` installs it"
+    log_before = owner.log.read_text()
+    links = _cross_node_pairs(nodes)
+    assert links, "found no KV link between the nodes"
+    for conn in links:
+        _reset(conn)
+    assert complete(owner.http_base, PROMPT)["choices"][0]["token_ids"] == reference  # over a dead link
+    new_log = lambda: owner.log.read_text()[len(log_before):]  # noqa: E731
+    wait_for(lambda: "recomputing on decode-0" in new_log(), 60, "the decode worker's recompute logged", 0.5)
+    wait_for(lambda: "rebuilding the pair" in new_log(), 60, "the router rebuilding the pair", 0.5)
+    old = {(c.laddr.port, c.raddr.port) for c in links}
+    wait_for(lambda: {(c.laddr.port, c.raddr.port) for c in _cross_node_pairs(nodes)} - old, 120,
+             "new KV links between the nodes", 1.0)
+    # Every answer stays exact; a prefill worker whose reset link had not carried KV yet finds out
+    # on its next transfer (recompute, rebuild) the same way. Then transfers run clean again.
+    clean = 0
+    for _ in range(8):
+        recomputes = new_log().count("recomputing on decode-0")
+        assert complete(owner.http_base, PROMPT)["choices"][0]["token_ids"] == reference
+        time.sleep(2.0)  # a recompute's log line reaches the driver's log
+        clean = clean + 1 if new_log().count("recomputing on decode-0") == recomputes else 0
+        if clean == 2:
+            break
+    assert clean == 2, new_log()[-3000:]
 
 
 # --- more than one front over the same workers ---------------------------------------------------------
@@ -234,8 +290,8 @@ def test_admission_is_bounded_per_front(owner: Served, front_b: Served) -> None:
     assert b[0] == 200 and 429 in b, b  # one running at B, none waiting: the rest refused at once
 
 
-def test_killing_one_front_leaves_the_other_serving_with_no_failed_request(nodes: RayNodes, owner: Served,
-                                                                           front_b: Served, reference: list[int]) -> None:
+def test_killing_one_front_leaves_the_other_serving_with_no_failed_request(
+        nodes: RayNodes, owner: Served, front_b: Served, reference: list[int]) -> None:
     import signal
     import threading
     from concurrent.futures import ThreadPoolExecutor
