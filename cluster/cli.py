@@ -216,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--decode-ep", type=int, metavar="K",
                    help="expert-parallel ranks per decode worker, MoE models (default 1; with --decode-tp: equal)")
     c.add_argument("--ray-address", metavar="ADDR", help="join this Ray cluster (default: start Ray locally)")
+    c.add_argument("--front-only", action="store_const", const="front", dest="role",
+                   help="an extra front (config role: front): doors and a router over the workers another "
+                        "`brigade serve` owns on --ray-address, sharing its --redis-url; starts no worker")
     c.add_argument("--redis-url", metavar="URL",
                    help="Redis for worker leases and the prefix index, redis[s]://[USER:PASSWORD@]HOST:PORT/DB "
                         "(default: an embedded redis-server on 127.0.0.1, stopped on exit)")
@@ -273,7 +276,7 @@ def cluster_config(args: argparse.Namespace):
 
     overrides = {
         "model": args.model, "prefill": args.prefill, "decode": args.decode, "mode": args.mode,
-        "ray_address": args.ray_address, "redis_url": args.redis_url, "host": args.host,
+        "ray_address": args.ray_address, "redis_url": args.redis_url, "host": args.host, "role": args.role,
         "http_port": args.http_port, "grpc_port": args.grpc_port, "num_cpus": args.num_cpus,
         "engine": {"dtype": args.dtype, "quantization": args.quantization, "device": args.device,
                    "max_model_len": args.max_model_len,

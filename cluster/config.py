@@ -50,6 +50,11 @@ class ClusterConfig(_Frozen):
     prefill: int = Field(1, ge=0)
     decode: int = Field(1, ge=1)  # in colocated mode: the number of mixed workers
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    # owner: this `brigade serve` starts and supervises the workers (and dies with them: Ray ties
+    # actors to the driver that made them). front: it joins a cluster an owner serves (ray_address)
+    # and adds its own doors and router over the owner's workers, found by their Ray actor names,
+    # sharing the owner's Redis (redis_url); it starts no worker and may come and go (cluster/front.py).
+    role: Literal["owner", "front"] = "owner"
     ray_address: str | None = None
     redis_url: str | None = None
     # The NAME of an env var holding Redis's password (e.g. set from a Kubernetes Secret), so the
@@ -94,6 +99,9 @@ class ClusterConfig(_Frozen):
                                  f"remove it from the config: {PER_WORKER_HOW[name]}")
         if self.redis_password_env and self.redis_url is None:
             raise ValueError("redis_password_env needs redis_url (the embedded redis-server makes its own password)")
+        if self.role == "front" and (self.ray_address is None or self.redis_url is None):
+            raise ValueError("role front (--front-only) joins a cluster another `brigade serve` owns: it needs "
+                             "--ray-address and that server's --redis-url (the shared prefix index)")
         if is_wildcard(self.host):
             raise ValueError("host must be a specific address (e.g. 127.0.0.1 or the pod IP), not a wildcard")
         cache_role = "mixed" if self.mode == "colocated" else "prefill"  # the workers whose tiers would hold KV

@@ -15,6 +15,7 @@ from functools import partial
 
 import psutil
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.config import ClusterConfig, cpu_budget, worker_config
 from decode_worker.actor import DecodeActor
@@ -37,7 +38,10 @@ def start_ray(cfg: ClusterConfig) -> None:
         return
     env = {"RAY_USAGE_STATS_ENABLED": "0"}
     if cfg.ray_address:
-        ray.init(address=cfg.ray_address, namespace=NAMESPACE, runtime_env={"env_vars": env})
+        # The driver attaches to the Ray node at its own --host (one of several nodes on a
+        # machine, or the pod's); Ray maps 127.0.0.1 and names to this machine's node itself.
+        ray.init(address=cfg.ray_address, namespace=NAMESPACE, runtime_env={"env_vars": env},
+                 _node_ip_address=host_ip(cfg.host))
         return
     if is_loopback(cfg.host):
         _keep_ray_on_loopback()
@@ -86,6 +90,20 @@ def local_resources(cfg: ClusterConfig) -> dict[str, float]:
         for name, per_rank in cfg.placement.resources(role).items():
             out[name] = out.get(name, 0.0) + 2 * workers * cfg.parallel.ranks(role) * per_rank
     return out
+
+
+def host_ip(host: str) -> str | None:
+    """`host` if it is an IP address literal, else None (Ray then finds this machine's node)."""
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return None
+
+
+def on_this_node() -> NodeAffinitySchedulingStrategy:
+    """Pinned to the driver's own Ray node: the router lives and dies with its front, never on a
+    worker node whose loss would take every request with it."""
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
 
 
 def is_loopback(host: str) -> bool:
@@ -229,8 +247,8 @@ def launch(cfg: ClusterConfig, redis_url: str | None = None) -> Cluster:
     start_ray(cfg)
     url = redis_url or cfg.redis_url
     index = IndexLink(redis_url=url, index=cfg.index) if url else None
-    router = RouterActor.options(num_cpus=0, max_concurrency=10_000).remote(cfg.router, cfg.mode == "colocated",
-                                                                              index)
+    router = RouterActor.options(num_cpus=0, max_concurrency=10_000, scheduling_strategy=on_this_node()).remote(
+        cfg.router, cfg.mode == "colocated", index)
     cluster = Cluster(cfg, router, index=index)
     roles = ["prefill"] * cfg.num_prefill + (["mixed"] if cfg.mode == "colocated" else ["decode"]) * cfg.decode
     for role in roles:

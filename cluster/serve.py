@@ -95,6 +95,8 @@ def run(args, cfg: ClusterConfig) -> int:
         threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
         workers = (f"{cfg.decode} mixed" if cfg.mode == "colocated"
                    else f"{cfg.num_prefill} prefill, {cfg.decode} decode")
+        if cfg.role == "front":
+            workers = f"front over {len(services.cluster.workers)} workers of {cfg.ray_address}"
         grpc_at = f" and grpc://{grpc_server.address}" if grpc_server is not None else ""
         print(f"Brigade serving {cfg.model} at {server.url}/v1{grpc_at} ({workers}, {cfg.mode})", flush=True)
         from cluster.watchdog import EXIT_FAILED, Watchdog, descendants  # imports ray, as the services did
@@ -252,7 +254,9 @@ class _Services:
                 self.redis = EmbeddedRedis().start()
                 print(f"redis: embedded redis-server at {self.redis.shown_url}", file=sys.stderr, flush=True)
                 redis_url = self.redis.url
-            connect(redis_url).close()  # a wrong password or unreachable Redis fails here, saying which
+            # A wrong password or unreachable Redis fails here, saying which; a front serves by load
+            # while the shared Redis is down (it holds hints only) and picks the index up later.
+            connect(redis_url, must_answer=cfg.role == "owner").close()
         except (RedisServerError, RegistryError) as exc:
             raise UsageError(str(exc)) from None
 
@@ -264,11 +268,16 @@ class _Services:
             start_ray(cfg)
         signals.check()
         self.grpc_server = after_ray()
-        self.cluster = launch(cfg, redis_url)  # the longest step: a stop signal takes effect after it
+        if cfg.role == "front":  # the owner's workers, found by name: nothing is started (cluster/front.py)
+            from cluster.front import Front
+
+            self.cluster = Front(cfg, redis_url).start()
+        else:
+            self.cluster = launch(cfg, redis_url)  # the longest step: a stop signal takes effect after it
         signals.check()
         backend.attach(self.cluster)
         self.backend = backend
-        if cfg.supervisor.enabled:
+        if cfg.supervisor.enabled and cfg.role == "owner":
             from cluster.supervisor import Supervisor
 
             self.supervisor = Supervisor(self.cluster, cfg.supervisor).start()

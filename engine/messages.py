@@ -119,6 +119,8 @@ class WorkerHealth:
     free_blocks: int = 0
     running: int = 0  # the engine's running batch
     broken_pairs: tuple[str, ...] = ()  # peers whose KV link failed: the router rebuilds those pairs
+    # Counterparts it has a working KV pair with: how a front that does not pair (role front) learns them.
+    peers: tuple[str, ...] = ()
     index: dict | None = None  # the cache-event publisher's status, when the cluster has an index
     tp_size: int = 1
     ep_size: int = 1

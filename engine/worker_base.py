@@ -44,6 +44,10 @@ class EngineWorker:
         """Peers whose KV link failed (the router rebuilds those pairs)."""
         return []
 
+    def peers(self) -> list[str]:
+        """Counterparts with a working KV pair (none for a worker that transfers nothing)."""
+        return []
+
     def health(self) -> WorkerHealth:
         """Liveness, what it hashes with, its load. (Unlocked reads from the engine thread: a hint.)"""
         e, loop = self.engine, self.loop.health()
@@ -52,6 +56,7 @@ class EngineWorker:
             worker_id=self.worker_id, role=self.role, alive=extra.get("alive", loop["alive"]),
             error=extra.get("error", loop["error"]), model_id=e.model_id, block_size=e.block_size,
             free_blocks=e.pool.num_free, running=len(e.scheduler.running), broken_pairs=tuple(self.broken_pairs()),
+            peers=tuple(self.peers()),
             index=self.publisher.status() if self.publisher is not None else None,
             tp_size=extra.get("tp_size", 1), ep_size=extra.get("ep_size", 1))
 

@@ -141,6 +141,9 @@ class PrefillWorker(EngineWorker):
     def broken_pairs(self) -> list[str]:
         return sorted(peer for peer, ch in list(self.channels.items()) if ch.broken)
 
+    def peers(self) -> list[str]:
+        return sorted(peer for peer, ch in list(self.channels.items()) if not ch.broken)
+
     def stats(self) -> dict:
         return super().stats() | {"channels": sorted(self.channels), "pinned_exports": len(self.exports)}
 

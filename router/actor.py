@@ -14,10 +14,10 @@ from router.workers import RayWorker
 
 @ray.remote
 class RouterActor:
-    def __init__(self, cfg: RouterConfig, colocated: bool, index: IndexLink | None = None):
+    def __init__(self, cfg: RouterConfig, colocated: bool, index: IndexLink | None = None, owns_pairs: bool = True):
         view = (IndexView(index.redis_url, index.index, cfg.index_timeout_s, cfg.recent_route_ttl_s)
                 if index is not None else None)
-        self.router = Router(cfg, colocated, view)
+        self.router = Router(cfg, colocated, view, owns_pairs)
 
     async def add_worker(self, role: str, worker_id: str, handle) -> None:
         await self.router.add_worker(RayWorker(worker_id, role, handle))
@@ -38,6 +38,9 @@ class RouterActor:
     async def set_policy(self, policy: str) -> None:
         """Switch the routing policy at run time (benchmarks compare policies on the same workers)."""
         self.router.cfg = RouterConfig.model_validate({**self.router.cfg.model_dump(), "policy": policy})
+
+    async def worker_ids(self) -> list[str]:
+        return sorted(self.router.pool.workers)
 
     async def status(self) -> dict:
         return self.router.status()

@@ -6,6 +6,11 @@ prefill worker is paired with every healthy decode worker: when either joins, wh
 KV link failed (the health report names it), and at each health check for pairs still
 missing. The pool is a hint like the index: a worker that died since the last check is
 found out by the request that tries it.
+
+Pairs belong to one router: the owner's (the `brigade serve` that started the workers). The
+router of an extra front (`role: front`, cluster/front.py) routes over the same workers
+without pairing or unpairing anything (`owns_pairs=False`): it takes each worker's pairs from
+its health report, so two routers never race to build or close the same pair.
 """
 from __future__ import annotations
 
@@ -46,8 +51,8 @@ class WorkerRef:
 
 
 class WorkerPool:
-    def __init__(self, cfg: RouterConfig, colocated: bool, index: IndexView | None = None):
-        self.cfg, self.colocated, self.index = cfg, colocated, index
+    def __init__(self, cfg: RouterConfig, colocated: bool, index: IndexView | None = None, owns_pairs: bool = True):
+        self.cfg, self.colocated, self.index, self.owns_pairs = cfg, colocated, index, owns_pairs
         self.workers: dict[str, WorkerRef] = {}
         self._health_task: asyncio.Task | None = None
         self._repair: asyncio.Task | None = None  # _pair_missing, one at a time
@@ -57,11 +62,15 @@ class WorkerPool:
     async def add(self, client: WorkerClient) -> None:
         """Register a worker; disaggregated, connect it to every healthy counterpart first."""
         ref = WorkerRef(client)
-        report = await client.health()
+        if self.owns_pairs:
+            report = await client.health()
+        else:  # another router started it: it may still be starting, or dying
+            report = await asyncio.wait_for(client.health(), self.cfg.health_timeout_s)
+            ref.peers = set(report.peers)
         ref.note(report)
         if self.index is not None and client.role in ("prefill", "mixed"):
             self.index.bind(report.model_id, report.block_size)
-        if not self.colocated:
+        if not self.colocated and self.owns_pairs:
             other = "decode" if client.role == "prefill" else "prefill"
             # Healthy ones only: a dead counterpart would hold the pairing until its timeout.
             async with self._pairing:
@@ -82,6 +91,8 @@ class WorkerPool:
         peers = [w for w in self.workers.values() if worker_id in w.peers]
         for w in peers:
             w.peers.discard(worker_id)
+        if not self.owns_pairs:
+            return True
         await asyncio.gather(*(asyncio.wait_for(w.client.disconnect(worker_id), self.cfg.health_timeout_s)
                                for w in peers), return_exceptions=True)
         return True
@@ -155,7 +166,7 @@ class WorkerPool:
                                        return_exceptions=True)  # one failing part never skips the others
         for exc in (r for r in results if isinstance(r, BaseException)):
             log.error("health check part failed: %r", exc, exc_info=exc)
-        if not self.colocated and (self._repair is None or self._repair.done()):
+        if not self.colocated and self.owns_pairs and (self._repair is None or self._repair.done()):
             self._repair = asyncio.get_running_loop().create_task(self._pair_missing())
 
     async def _check(self, worker: WorkerRef) -> None:
@@ -166,7 +177,10 @@ class WorkerPool:
         except Exception:  # dead actor, timeout: both mean do not route here
             healthy = False
         else:
-            await self._unpair_broken(worker, report.broken_pairs)
+            if self.owns_pairs:
+                await self._unpair_broken(worker, report.broken_pairs)
+            else:  # the owner's router pairs; this one routes over the pairs the worker reports
+                worker.peers = set(report.peers)
         if healthy != worker.healthy:
             log.warning("worker %s is now %s", worker.worker_id, "healthy" if healthy else "UNHEALTHY")
         worker.healthy = healthy

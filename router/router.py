@@ -32,9 +32,10 @@ log = logging.getLogger(__name__)
 
 
 class Router:
-    def __init__(self, cfg: RouterConfig, colocated: bool, index: IndexView | None = None):
+    def __init__(self, cfg: RouterConfig, colocated: bool, index: IndexView | None = None, owns_pairs: bool = True):
+        """`owns_pairs=False`: an extra front's router over workers another router pairs (router/pool.py)."""
         self.colocated, self.index = colocated, index
-        self.pool = WorkerPool(cfg, colocated, index)
+        self.pool = WorkerPool(cfg, colocated, index, owns_pairs)
         self.picker = Picker(cfg, self.pool, index)
         self.dispatch = Dispatch(self.picker, colocated, cfg.decode_wait_s)
         self.admission = Admission(cfg)

@@ -702,3 +702,102 @@ def test_prometheus_gets_a_scrape_only_token(overlay: str, tmp_path) -> None:
     if overlay == "gpu-prod-monitoring":
         monitor = one(docs, "ServiceMonitor")["spec"]["endpoints"][0]
         assert monitor["authorization"]["credentials"] == {"name": "brigade-metrics-token", "key": "token"}
+
+
+# -- extra fronts (issue 19): k8s/overlays/cpu-dev-fronts --------------------------------------------
+
+FRONTS = "cpu-dev-fronts"
+
+
+def front_pod(docs) -> dict:
+    return one(docs, "Deployment", "brigade-front")["spec"]["template"]
+
+
+def test_the_fronts_overlay_validates_and_adds_only_the_fronts() -> None:
+    docs = rendered(FRONTS)
+    for doc in docs:
+        validate(doc)
+    names = lambda ds: {(d["kind"], d["metadata"]["name"]) for d in ds}  # noqa: E731
+    assert names(docs) - names(rendered("cpu-dev")) == {
+        ("Deployment", "brigade-front"), ("PodDisruptionBudget", "brigade-front"),
+        ("NetworkPolicy", "brigade-front-ray"), ("NetworkPolicy", "brigade-front-doors")}
+    assert one(docs, "RayCluster")["spec"]["workerGroupSpecs"] == one(rendered("cpu-dev"), "RayCluster")["spec"][
+        "workerGroupSpecs"]  # the workers are the owner's, unchanged
+
+
+def test_the_service_sends_to_the_head_and_every_front_on_the_same_doors() -> None:
+    docs = rendered(FRONTS)
+    selector = one(docs, "Service", "brigade")["spec"]["selector"]
+    head_labels = one(docs, "RayCluster")["spec"]["headGroupSpec"]["template"]["metadata"]["labels"]
+    front = front_pod(docs)
+    assert selector.items() <= head_labels.items() and selector.items() <= front["metadata"]["labels"].items()
+    head_ports = container(head(docs), "brigade")["ports"]
+    assert container(front["spec"], "brigade")["ports"] == head_ports
+    # Readiness on /health takes a draining front (or one without live workers) out of the Service.
+    assert container(front["spec"], "brigade")["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert one(docs, "PodDisruptionBudget", "brigade-front")["spec"]["maxUnavailable"] == 1
+
+
+def test_a_front_pod_is_a_ray_node_without_cpus_with_ray_auth_from_the_secret() -> None:
+    spec = front_pod(rendered(FRONTS))["spec"]
+    ray_node = container(spec, "ray-node")
+    script = ray_node["command"][2]
+    assert script.startswith("exec ray start --block --address brigade-head-svc:6379 ")
+    assert '--node-ip-address "$POD_IP"' in script and "--num-cpus 0" in script  # no worker lands here
+    for c in spec["containers"]:
+        env = {e["name"]: e for e in c["env"]}
+        assert env["RAY_AUTH_MODE"]["value"] == "token", c["name"]
+        assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "brigade-ray-token", "key": "auth_token"}
+
+
+def test_a_front_pod_passes_serve_check_as_a_front(tmp_path: Path, monkeypatch, capsys) -> None:
+    docs = rendered(FRONTS)
+    path, cfg = config_of(docs, tmp_path)
+    c = container(front_pod(docs)["spec"], "brigade")
+    shell, flag, script, _name = c["command"]
+    assert (shell, flag) == ("sh", "-c") and script.rstrip().endswith('exec brigade serve "$@"')
+    assert '--address "brigade-head-svc:6379"' in script
+    args = ["serve", *(a.replace("$(POD_IP)", POD_IP) for a in c["args"])]
+    assert "--front-only" in args and args[args.index("--ray-address") + 1] == "brigade-head-svc:6379"
+    args[args.index("--config") + 1] = str(path)
+    for name in (cfg.redis_password_env, cfg.frontdoor.auth.token_env):
+        monkeypatch.setenv(name, "tenant-a a-secret-value-0123456789")
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    assert brigade([*args, "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "role: front" in out and f"host: {POD_IP}" in out and cfg.redis_url in out
+    env = {e["name"] for e in c["env"]}
+    assert {cfg.redis_password_env, cfg.frontdoor.auth.token_env, "POD_IP"} <= env
+
+
+def test_a_front_pod_runs_unprivileged_and_writes_only_to_empty_dirs() -> None:
+    template = front_pod(rendered(FRONTS))
+    spec = template["spec"]
+    assert spec["automountServiceAccountToken"] is False
+    pod = spec["securityContext"]
+    assert pod["runAsNonRoot"] is True and pod["runAsUser"] != 0 and pod["seccompProfile"] == {"type": "RuntimeDefault"}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    for c in spec["containers"]:
+        sc = c["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+        assert sc["readOnlyRootFilesystem"] is True
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        for path in ("/tmp", *(["/dev/shm"] if c["name"] == "ray-node" else [])):
+            assert "emptyDir" in volumes[mounts[path]], (c["name"], path)
+
+
+def test_fronts_reach_the_ray_cluster_and_redis_and_only_clients_reach_their_doors() -> None:
+    docs = rendered(FRONTS)
+    policies = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+    fronts = {"app.kubernetes.io/name": "brigade-front"}
+    labels = front_pod(docs)["metadata"]["labels"]
+    mine = [n for n, p in policies.items() if _selects({"spec": p}, labels)]
+    assert sorted(mine) == ["brigade-front-doors", "brigade-front-ray"]
+    for name in ("brigade-ray", "brigade-redis"):  # the RayCluster's pods and Redis let the fronts in
+        assert {"podSelector": {"matchLabels": fronts}} in policies[name]["ingress"][0]["from"], name
+    assert policies["brigade-front-ray"]["ingress"] == [{"from": [
+        {"podSelector": {"matchLabels": {"ray.io/cluster": "brigade"}}}, {"podSelector": {"matchLabels": fronts}}]}]
+    doors = policies["brigade-front-doors"]["ingress"]
+    assert [sorted(p["port"] for p in rule["ports"]) for rule in doors] == [[8000, 50051]]
+    clients = {"matchLabels": {"brigade.io/client": "true"}}
+    assert doors[0]["from"] == [{"namespaceSelector": {}, "podSelector": clients}]

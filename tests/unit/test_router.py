@@ -202,6 +202,53 @@ def test_a_joining_worker_is_paired_with_every_healthy_counterpart():
     assert [router.pool.workers[d].client.expected for d in ("decode-0", "decode-1")] == [["prefill-0"]] * 2
 
 
+def test_a_front_that_does_not_own_the_pairs_routes_over_the_reported_ones_and_never_pairs():
+    """An extra front's router (owns_pairs=False): pairs come from the workers' health reports;
+    it never connects, accepts, disconnects or rebuilds a pair (the owner's router does)."""
+    class Reporting(FakeWorker):
+        def __init__(self, worker_id, role, peers=(), broken=()):
+            super().__init__(worker_id, role)
+            self.report_peers, self.broken, self.calls = tuple(peers), tuple(broken), []
+
+        async def health(self):
+            return WorkerHealth(self.worker_id, self.role, alive=True, peers=self.report_peers,
+                                broken_pairs=self.broken)
+
+        async def accept(self, expect=None):
+            self.calls.append("accept")
+
+        async def connect(self, decode_id, address):
+            self.calls.append("connect")
+
+        async def disconnect(self, peer_id):
+            self.calls.append(f"disconnect {peer_id}")
+
+    from router.router import Router
+
+    prefill = Reporting("prefill-0", "prefill", peers=["decode-0"])
+    lone = Reporting("prefill-1", "prefill")  # not paired (yet): no request goes there
+    decode = Reporting("decode-0", "decode", peers=["prefill-0"])
+
+    async def main():
+        router = Router(RouterConfig(), colocated=False, owns_pairs=False)
+        for w in (decode, prefill, lone):
+            await router.add_worker(w)
+        pool = router.pool
+        assert pool.workers["prefill-0"].peers == {"decode-0"} and pool.workers["prefill-1"].peers == set()
+        assert [w.worker_id for w in pool.candidates("prefill", needs_peer=True)] == ["prefill-0"]
+        prefill.report_peers, prefill.broken = (), ("decode-0",)  # the link failed: the owner rebuilds it
+        for ref in list(pool.workers.values()):
+            await pool._check(ref)
+        assert pool.workers["prefill-0"].peers == set()
+        with pytest.raises(NoWorker):
+            pool.candidates("prefill", needs_peer=True)
+        await pool._health_round()  # an owner's round would start pairing the unpaired ones here
+        await asyncio.sleep(0.05)
+        await router.remove_worker("decode-0")
+    asyncio.run(main())
+    assert prefill.calls == lone.calls == decode.calls == []
+
+
 def test_overloaded_admission_refuses_at_once():
     async def main():
         release = asyncio.Event()
