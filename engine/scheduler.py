@@ -104,6 +104,8 @@ class Scheduler:
             need = -(-(computed + n) // self.block_size) - len(hit) - len(seq.block_table)
             if not self.pool.can_allocate(need):
                 self.pool.release(hit)
+                if not batch and self._reclaim_waiting():
+                    continue  # the head again, with the blocks queued sequences held
                 break
             if hit:
                 seq.block_table = hit
@@ -118,6 +120,21 @@ class Scheduler:
             self.running.append(seq)
             batch.append(ScheduledSeq(seq, n))
             budget -= n
+
+    def _reclaim_waiting(self) -> bool:
+        """Nothing runs and the first waiting sequence cannot get its blocks: free the blocks a
+        sequence further back holds (a decode worker's imports wait holding their prompt's KV),
+        as a preemption it recomputes from. Else waiting imports holding the pool between them,
+        each short of one block, wait for each other for ever. False if none holds any."""
+        for seq in reversed(list(self.waiting)[1:]):
+            if seq.block_table:
+                self.pool.release(seq.block_table)
+                seq.block_table = []
+                seq.num_computed = seq.num_registered_blocks = 0
+                seq.num_preemptions += 1
+                self.num_preemptions += 1
+                return True
+        return False
 
     def _chunk(self, seq: Sequence, remaining: int, budget: int) -> int:
         if remaining <= budget:

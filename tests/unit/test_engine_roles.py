@@ -176,3 +176,27 @@ def test_decode_engine_without_chunked_prefill_accepts_long_prompts(qwen3) -> No
     dec = make_engine(qwen3, block_size=BS, role=Role.DECODE, budget=16, chunked=False)
     [out] = decode_all(dec, [export], [greedy(4)])
     assert len(out.token_ids) == 4
+
+
+def test_imports_that_fill_the_pool_between_them_do_not_wait_for_each_other(qwen3) -> None:
+    """Two imports each holding half the pool and each one block short of its next token: with
+    nothing running to preempt, the scheduler frees the second's blocks (it recomputes) so the
+    first can run; both finish with the tokens of a roomy engine, and the pool is whole."""
+    prompts = make_prompts([12, 12], seed=31)  # 3 blocks each; the 13th token needs a 4th
+    params = [greedy(6)] * 2
+    pre = make_engine(qwen3, block_size=BS, role=Role.PREFILL)
+    exports = prefill_all(pre, prompts, params)
+    want = [o.token_ids for o in decode_all(make_engine(qwen3, block_size=BS, role=Role.DECODE), exports, params)]
+
+    dec = make_engine(qwen3, block_size=BS, role=Role.DECODE, num_blocks=6)
+    for e, sp in zip(exports, params):
+        dec.import_kv(e, sp)
+    assert dec.pool.num_free == 0 and not dec.scheduler.running
+    done: dict = {}
+    for _ in range(200):  # a deadlock would spin here with nothing scheduled
+        done.update({o.request_id: o for o in dec.step() if o.finished})
+        if len(done) == 2:
+            break
+    assert [done[e.request_id].token_ids for e in exports] == want
+    assert dec.scheduler.num_preemptions >= 1
+    assert_pool_clean(dec)
