@@ -59,7 +59,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        """Compute `batch` (decodes first) and return logits (N, V) for the rows that sample."""
+        """Compute `batch` (decodes first) and return logits (N, V) for the rows that sample: one per
+        sampling sequence, 1 + num_draft for a sequence verifying proposals (engine.spec)."""
         input_ids, positions, meta, sample_rows = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_cache, meta)
         return self.model.compute_logits(hidden[sample_rows])
@@ -87,7 +88,7 @@ class ModelRunner:
                 nb = -(-(start + n) // bs)
                 prefills.append(PrefillSpan(q_start, n, start + n, self._tensor(table[:nb])))
             if s.samples:
-                sample_rows.append(len(ids) - 1)
+                sample_rows += range(len(ids) - 1 - s.num_draft, len(ids))
         meta = AttentionMetadata(slot_mapping=self._tensor(slots), block_size=bs, prefills=prefills)
         if self.varlen_kernel is not None:
             spans = [(s.num_new_tokens, s.seq.num_computed + s.num_new_tokens, s.seq.block_table) for s in batch]
