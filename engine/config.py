@@ -8,7 +8,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine.parallel.config import ParallelConfig
 
@@ -127,7 +127,11 @@ class SpeculativeConfig(_Frozen):
                 raise ValueError(f"speculative: cannot read {part!r} in {text!r}; expected "
                                  "draft=MODEL,k=4 or ngram,k=4,n=3 (also n_min, token_cost, max_batch, "
                                  "draft_num_blocks) or none")
-        return cls.model_validate(fields)
+        try:
+            return cls.model_validate(fields)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors())
+            raise ValueError(f"--speculative {text!r}: {problems}") from None
 
 
 class EngineConfig(_Frozen):

@@ -166,15 +166,14 @@ class LLMEngine:
             seqs = [sampled[i].seq for i in plain]
             for i, token, lp in zip(plain, *self._sample(logits[plain_rows], seqs)):
                 results[i] = (token, None) if isinstance(token, BaseException) else ([token], [lp])
-        for i, start in spans.items():
-            s = sampled[i]
-            rows = logits[start : start + 1 + s.num_draft]  # (1 + k, V)
-            try:
-                tokens = self.speculator.verify(s, rows)
-            except Exception as exc:
-                results[i] = (exc, None)
-                continue
-            results[i] = (tokens, token_logprobs(rows[: len(tokens)], tokens, [s.seq.params.logprobs] * len(tokens)))
+        if spans:
+            items = [(sampled[i], logits[start : start + 1 + sampled[i].num_draft]) for i, start in spans.items()]
+            for i, (s, rows), tokens in zip(spans, items, self.speculator.verify(items)):
+                if isinstance(tokens, Exception):
+                    results[i] = (tokens, None)
+                else:
+                    lps = token_logprobs(rows[: len(tokens)], tokens, [s.seq.params.logprobs] * len(tokens))
+                    results[i] = (tokens, lps)
         return results
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list, list]:

@@ -16,6 +16,7 @@ from engine.block_pool import BlockPool
 from engine.model_runner import ModelRunner
 from engine.radix_cache import RadixCache
 from engine.sampler import Sampler, target_probs
+from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 from engine.spec.drafter import Proposal
@@ -35,7 +36,6 @@ class DraftModelDrafter:
         live = [(i, self._sync(seq, k)) for i, (seq, k) in enumerate(zip(seqs, ks)) if k]
         live = [(i, m) for i, m in live if m is not None]
         probs: dict[int, list[torch.Tensor]] = {i: [] for i, _ in live}
-        step = 0
         while live:
             batch = [ScheduledSeq(m, m.num_tokens - m.num_computed) for _, m in live]
             batch.sort(key=lambda s: s.num_new_tokens != 1)  # the runner packs one-token decodes first
@@ -43,10 +43,11 @@ class DraftModelDrafter:
             logits = self.runner.run(batch)  # (B, V), rows in batch order
             for s in batch:
                 s.seq.num_computed += s.num_new_tokens
+            rows = [order[id(m)] for _, m in live]
+            tokens, qs = self._draw(logits[rows], [seqs[i].params for i, _ in live],
+                                    [m.num_tokens - m.num_prompt_tokens for _, m in live])
             nxt = []
-            for i, m in live:
-                row = logits[order[id(m)]]
-                token, q = self._draw(row, m, seqs[i], step)
+            for (i, m), token, q in zip(live, tokens, qs):
                 props[i].tokens.append(token)
                 if q is not None:
                     probs[i].append(q)
@@ -54,21 +55,31 @@ class DraftModelDrafter:
                 if len(props[i].tokens) < ks[i]:
                     nxt.append((i, m))
             live = nxt
-            step += 1
-        for i, rows in probs.items():
-            if rows:
-                props[i].probs = torch.stack(rows)  # (k, V)
+        for i, qs in probs.items():
+            if qs:
+                props[i].probs = torch.stack(qs)  # (k, V)
         return props
 
-    def _draw(self, logits: torch.Tensor, mirror: Sequence, seq: Sequence, step: int):
-        """A proposal token from the draft's logits (V,), and q (V,) unless greedy."""
-        p = seq.params
-        if p.greedy:
-            return int(logits.argmax()), None
-        q = target_probs(logits[None], [p])[0]  # (V,)
-        position = mirror.num_tokens - mirror.num_prompt_tokens
-        noise = torch.empty_like(q).exponential_(generator=self.sampler.generator_for(p, position, DRAFT_STREAM))
-        return int((q / noise).argmax()), q
+    def _draw(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]):
+        """Proposal tokens from the draft's logits (N, V) at these output positions, and each one's
+        q (V,) (None for a greedy request: a point mass on the argmax)."""
+        tokens = logits.argmax(dim=-1).tolist()
+        qs: list[torch.Tensor | None] = [None] * len(params)
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled:
+            q = target_probs(logits[sampled], [params[i] for i in sampled])  # (S, V)
+            noise = torch.empty_like(q)
+            unseeded = [j for j, i in enumerate(sampled) if params[i].seed is None]
+            if unseeded:  # one draw for all: the shared generator's stream is per engine anyway
+                noise[unseeded] = torch.empty((len(unseeded), q.shape[1]), device=q.device).exponential_(
+                    generator=self.sampler.generator)
+            for j, i in enumerate(sampled):
+                if params[i].seed is not None:
+                    noise[j].exponential_(generator=self.sampler.generator_for(params[i], positions[i], DRAFT_STREAM))
+            picks = (q / noise).argmax(dim=-1).tolist()
+            for j, i in enumerate(sampled):
+                tokens[i], qs[i] = picks[j], q[j]
+        return tokens, qs
 
     def _sync(self, seq: Sequence, k: int) -> Sequence | None:
         """The request's mirror, matched to the target's tokens, with blocks for k proposals; None

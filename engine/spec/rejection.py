@@ -20,11 +20,31 @@ from engine.spec.drafter import Proposal
 ACCEPT_STREAM = 0xACCE_97ED  # the accept test's uniform at a position, apart from the token's own draw
 
 
-def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, position: int,
-           sampler: Sampler) -> list[int]:
+def verify_batch(logits: torch.Tensor, proposals: list[Proposal], params: list[SamplingParams],
+                 positions: list[int], sampler: Sampler) -> list[list[int]]:
+    """logits: the rows of several proposing sequences back to back, 1 + k_i each (V wide).
+    One target_probs call for every sampled row, then each sequence's own accept test."""
+    rows = [1 + len(p.tokens) for p in proposals]
+    starts = [sum(rows[:i]) for i in range(len(rows))]
+    sampled = [i for i, sp in enumerate(params) if not sp.greedy]
+    probs: dict[int, torch.Tensor] = {}
+    if sampled:
+        index = [r for i in sampled for r in range(starts[i], starts[i] + rows[i])]
+        flat = target_probs(logits[index], [params[i] for i in sampled for _ in range(rows[i])])
+        at = 0
+        for i in sampled:
+            probs[i] = flat[at : at + rows[i]]
+            at += rows[i]
+    return [verify(logits[starts[i] : starts[i] + rows[i]], probs.get(i), proposals[i], params[i], positions[i],
+                   sampler) for i in range(len(proposals))]
+
+
+def verify(logits: torch.Tensor, p: torch.Tensor | None, proposal: Proposal, params: SamplingParams,
+           position: int, sampler: Sampler) -> list[int]:
     """logits: (k+1, V) target rows, row i predicting the token after proposal i - 1 (row 0: after
-    the last verified token); `position`: the output index of the first proposed token.
-    Returns the accepted proposals followed by one token from the target (1 to k+1 tokens)."""
+    the last verified token); p: their target_probs, for a sampled request; `position`: the output
+    index of the first proposed token. Returns the accepted proposals followed by one token from
+    the target (1 to k+1 tokens)."""
     d = proposal.tokens
     k = len(d)
     if params.greedy:
@@ -33,7 +53,8 @@ def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, pos
         while a < k and d[a] == best[a]:
             a += 1
         return d[:a] + [best[a]]
-    p = target_probs(logits, [params] * (k + 1))  # (k+1, V)
+    if p is None:
+        p = target_probs(logits, [params] * (k + 1))  # (k+1, V)
     rows = torch.arange(k, device=p.device)
     idx = torch.tensor(d, device=p.device)
     p_d = p[rows, idx]  # (k,)

@@ -23,7 +23,7 @@ from engine.sampler import Sampler
 from engine.scheduler import ScheduledSeq
 from engine.spec.adaptive import AdaptiveK
 from engine.spec.drafter import Drafter, Proposal
-from engine.spec.rejection import verify
+from engine.spec.rejection import verify_batch
 
 
 class Speculator:
@@ -68,18 +68,33 @@ class Speculator:
             self.proposals[seq.request_id] = prop
         batch.sort(key=lambda s: (s.num_new_tokens != 1, s.seq.num_computed if s.num_new_tokens == 1 else 0))
 
-    def verify(self, s: ScheduledSeq, logits: torch.Tensor) -> list[int]:
-        """logits (k+1, V) of a proposing sequence -> the tokens it emits (accepted + one). Cuts the
-        sequence back to its accepted proposals and frees blocks only the rejected ones used."""
-        seq, k = s.seq, s.num_draft
-        prop = self.proposals.pop(seq.request_id)
-        base = seq.num_tokens - k  # tokens before the proposals
+    def verify(self, items: list[tuple[ScheduledSeq, torch.Tensor]]) -> list[list[int] | Exception]:
+        """(proposing sequence, its logits (k+1, V)) -> the tokens each emits (accepted + one), or
+        the exception that failed it (it is then as before propose()). Cuts each sequence back to
+        its accepted proposals and frees blocks only the rejected ones used."""
+        props = [self.proposals.pop(s.seq.request_id) for s, _ in items]
+        params = [s.seq.params for s, _ in items]
+        positions = [s.seq.num_tokens - s.num_draft - s.seq.num_prompt_tokens for s, _ in items]
+        logits = torch.cat([rows for _, rows in items]) if len(items) > 1 else items[0][1]
         try:
-            tokens = verify(logits, prop, seq.params, base - seq.num_prompt_tokens, self.sampler)
-        except Exception:
-            self.cancel(s)
-            raise
-        a = len(tokens) - 1
+            runs: list = verify_batch(logits, props, params, positions, self.sampler)
+        except Exception:  # which request's parameters broke it? each alone says
+            runs = []
+            for (s, rows), prop, p, pos in zip(items, props, params, positions):
+                try:
+                    runs += verify_batch(rows, [prop], [p], [pos], self.sampler)
+                except Exception as exc:
+                    runs.append(exc)
+        for (s, _), tokens in zip(items, runs):
+            if isinstance(tokens, Exception):
+                self.cancel(s)
+            else:
+                self._keep(s, len(tokens) - 1)
+        return runs
+
+    def _keep(self, s: ScheduledSeq, a: int) -> None:
+        seq, k = s.seq, s.num_draft
+        base = seq.num_tokens - k  # tokens before the proposals
         del seq.token_ids[base + a:]
         s.num_new_tokens = 1 + a
         keep = -(-(base + a) // self.block_size)  # KV of the verified token and the accepted run
@@ -90,10 +105,10 @@ class Speculator:
         seq.num_accepted_tokens += a
         seq.num_spec_steps += 1
         self.policy.update(seq.request_id, k, a)
-        return tokens
 
     def cancel(self, s: ScheduledSeq) -> None:
-        """Undo propose() for one sequence (its verification failed): tokens as before."""
+        """Undo propose() for one sequence (its verification failed): tokens as before (its blocks
+        go when the engine fails it)."""
         self.proposals.pop(s.seq.request_id, None)
         del s.seq.token_ids[s.seq.num_tokens - s.num_draft:]
         s.num_new_tokens, s.num_draft = 1, 0
