@@ -1,0 +1,163 @@
+"""Speculative decoding keeps the target's distribution exactly (rejection sampling, engine/spec/
+rejection.py) and a seeded request's tokens do not depend on its batch.
+
+The exact marginals come from the tiny target itself: with top-k 4 every position has at most 4
+candidates, so the distribution of output position 1 and of position 3 (after 4 x 4 histories)
+is a sum over a few dozen forward passes. Chi-square goodness of fit, p > 0.01.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from helpers import build_hf_model, engine_prefill_logits, make_engine, run_all
+
+from engine import SamplingParams
+from engine.config import SpeculativeConfig
+from engine.sampler import Sampler, target_probs
+from engine.spec.drafter import Proposal
+from engine.spec.rejection import verify
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+PROMPT = [11, 12, 13, 14, 11, 12, 13]
+N_SAMPLES = 20_000
+PARAMS = SamplingParams(temperature=1.0, top_k=4, max_tokens=3, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(target, draft) checkpoint dirs: the draft is the target with its weights perturbed, so it
+    agrees with the target often but not always (every branch of the accept test runs)."""
+    root = tmp_path_factory.mktemp("spec-models")
+    model = build_hf_model("qwen3")
+    model.save_pretrained(root / "target")
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.03)
+    model.save_pretrained(root / "draft")
+    return root / "target", root / "draft"
+
+
+class Oracle:
+    """Filtered next-token distributions of a model, by context (cached forward passes)."""
+
+    def __init__(self, path):
+        self.engine = make_engine(path)
+
+    @functools.lru_cache(maxsize=None)  # noqa: B019 - one oracle per test
+    def logits(self, context: tuple[int, ...]) -> torch.Tensor:
+        return engine_prefill_logits(self.engine, list(context))
+
+    @functools.lru_cache(maxsize=None)  # noqa: B019
+    def probs(self, context: tuple[int, ...]) -> torch.Tensor:
+        return target_probs(self.logits(context)[None], [PARAMS])[0]
+
+    @functools.lru_cache(maxsize=None)  # noqa: B019
+    def rows(self, context: tuple[int, ...], proposal: tuple[int, ...]) -> torch.Tensor:
+        """(len(proposal) + 1, V): the logits verifying `proposal` after `context`."""
+        return torch.stack([self.logits(context + proposal[:i]) for i in range(len(proposal) + 1)])
+
+    @functools.lru_cache(maxsize=None)  # noqa: B019
+    def cdf(self, context: tuple[int, ...]) -> torch.Tensor:
+        return self.probs(context).cumsum(0)
+
+
+def marginal(target: Oracle, position: int) -> torch.Tensor:
+    """Exact distribution (V,) of output token `position` (0-based) under the target."""
+    def walk(context: tuple[int, ...], weight: float, depth: int, out: torch.Tensor) -> None:
+        p = target.probs(context)
+        if depth == position:
+            out += weight * p
+            return
+        for t in p.nonzero().flatten().tolist():
+            walk(context + (t,), weight * float(p[t]), depth + 1, out)
+    out = torch.zeros_like(target.logits(tuple(PROMPT)))
+    walk(tuple(PROMPT), 1.0, 0, out)
+    return out
+
+
+def chi_square_p(samples: list[int], expected: torch.Tensor) -> float:
+    """Goodness-of-fit p-value; bins expecting fewer than 5 samples are pooled."""
+    counts = torch.bincount(torch.tensor(samples), minlength=expected.numel()).double()
+    exp = expected.double() * len(samples)
+    assert counts[exp == 0].sum() == 0, "a token the target cannot emit was emitted"
+    big = exp >= 5
+    obs_bins = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp_bins = torch.cat([exp[big], exp[~big].sum()[None]])
+    keep = exp_bins > 0
+    obs_bins, exp_bins = obs_bins[keep], exp_bins[keep]
+    stat = float(((obs_bins - exp_bins) ** 2 / exp_bins).sum())
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(stat / 2.0)))
+
+
+@pytest.mark.parametrize("drafter", ["draft", "ngram"])
+def test_rejection_sampling_keeps_the_target_distribution(drafter, models) -> None:
+    """20,000 three-token continuations, each decoded by rounds of k = 2 proposals verified
+    against the target: positions 0 (inside the first run) and 2 (later) fit the exact marginals."""
+    target, draft = Oracle(models[0]), Oracle(models[1])
+    sampler = Sampler(torch.device("cpu"), seed=1)
+    gen = torch.Generator().manual_seed(2)
+    n, k = N_SAMPLES, 2
+    firsts, thirds, accepted, proposed = [], [], 0, 0
+    for _ in range(n):
+        out: list[int] = []
+        while len(out) < 3:
+            ctx = tuple(PROMPT) + tuple(out)
+            if drafter == "draft":  # proposals drawn from the draft's filtered distribution
+                tokens, qs = [], []
+                for u in torch.rand(k, generator=gen, dtype=torch.float64).tolist():
+                    c = ctx + tuple(tokens)
+                    cdf = draft.cdf(c)
+                    tokens.append(min(int(torch.searchsorted(cdf, torch.tensor(u * float(cdf[-1]), dtype=cdf.dtype))),
+                                      cdf.numel() - 1))
+                    qs.append(draft.probs(c))
+                prop = Proposal(tokens, torch.stack(qs))
+            else:  # a point mass, as prompt lookup proposes: here the target's 2nd likeliest token
+                tokens = [int(target.probs(ctx).topk(2).indices[1])]
+                tokens.append(int(target.probs(ctx + (tokens[0],)).argmax()))
+                prop = Proposal(tokens)
+            run = verify(target.rows(ctx, tuple(prop.tokens)), None, prop, PARAMS, len(out), sampler)
+            accepted, proposed = accepted + len(run) - 1, proposed + k
+            out += run
+        firsts.append(out[0])
+        thirds.append(out[2])
+    assert 0.1 < accepted / proposed < 0.95  # both accept and reject paths ran often
+    assert chi_square_p(firsts, marginal(target, 0)) > 0.01
+    assert chi_square_p(thirds, marginal(target, 2)) > 0.01
+
+
+def test_engine_samples_the_target_distribution(models) -> None:
+    """Through the whole engine: 3,000 seeded requests, speculating from their second token on."""
+    target = Oracle(models[0])
+    spec = SpeculativeConfig(method="draft", draft_model=str(models[1]), k=2, max_batch=4096)
+    eng = make_engine(models[0], num_blocks=4096, budget=8192, max_num_seqs=1024, speculative=spec)
+    n = 3000
+    for i in range(n):
+        eng.add_request(f"r{i}", PROMPT, SamplingParams(temperature=1.0, top_k=4, max_tokens=3, ignore_eos=True,
+                                                        seed=1000 + i))
+    done = run_all(eng)
+    outs = [done[f"r{i}"] for i in range(n)]
+    assert sum(o.usage.spec_accepted_tokens for o in outs) > 0
+    assert chi_square_p([o.token_ids[1] for o in outs], marginal(target, 1)) > 0.01
+    assert chi_square_p([o.token_ids[2] for o in outs], marginal(target, 2)) > 0.01
+
+
+@pytest.mark.parametrize("spec", [SpeculativeConfig(method="ngram", k=3, n=2, n_min=1, max_batch=2),
+                                  SpeculativeConfig(method="draft", draft_model="tiny-draft", k=3, max_batch=2)],
+                         ids=["ngram", "draft"])
+def test_seeded_request_same_tokens_in_any_batch(spec) -> None:
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, ignore_eos=True, seed=7)
+    prompt = [40, 41, 42, 43] * 4
+    alone = make_engine("tiny", speculative=spec).generate([prompt], params)[0]
+    eng = make_engine("tiny", speculative=spec, budget=64)  # chunked prefills beside it, a batch over max_batch
+    others = [[50 + i, 60 + i, 70 + i] * (i + 1) for i in range(6)]
+    for i, p in enumerate(others):
+        eng.add_request(f"o{i}", p, SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True))
+    eng.add_request("seeded", prompt, params)
+    done = run_all(eng)
+    assert done["seeded"].token_ids == alone.token_ids
+    assert done["seeded"].usage.spec_steps > 0
