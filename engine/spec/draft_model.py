@@ -38,7 +38,8 @@ class DraftModelDrafter:
         probs: dict[int, list[torch.Tensor]] = {i: [] for i, _ in live}
         while live:
             batch = [ScheduledSeq(m, m.num_tokens - m.num_computed) for _, m in live]
-            batch.sort(key=lambda s: s.num_new_tokens != 1)  # the runner packs one-token decodes first
+            # Decodes first (the runner packs them first), then catch-ups by length (grouped).
+            batch.sort(key=lambda s: (s.num_new_tokens != 1, s.num_new_tokens))
             order = {id(s.seq): j for j, s in enumerate(batch)}
             logits = self.runner.run(batch)  # (B, V), rows in batch order
             for s in batch:

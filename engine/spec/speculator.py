@@ -66,7 +66,10 @@ class Speculator:
             seq.token_ids += prop.tokens
             s.num_new_tokens, s.num_draft = 1 + k, k
             self.proposals[seq.request_id] = prop
-        batch.sort(key=lambda s: (s.num_new_tokens != 1, s.seq.num_computed if s.num_new_tokens == 1 else 0))
+        # Plain decodes first by context (as the scheduler packs them), then verifications by
+        # length (the runner attends each run of equal length in one call), then prefill chunks.
+        batch.sort(key=lambda s: (s.num_new_tokens != 1, not s.num_draft, s.num_draft,
+                                  s.seq.num_computed if s.num_new_tokens == 1 or s.num_draft else 0))
 
     def verify(self, items: list[tuple[ScheduledSeq, torch.Tensor]]) -> list[list[int] | Exception]:
         """(proposing sequence, its logits (k+1, V)) -> the tokens each emits (accepted + one), or
