@@ -93,8 +93,10 @@ class DraftModelDrafter:
             self.mirrors[seq.request_id] = m
         else:
             common = _common_prefix(m.token_ids, seq.token_ids)
-            m.num_computed = min(m.num_computed, common)
             m.token_ids = list(seq.token_ids)
+            # At most all but the last token: its logits give the first proposal (a step whose
+            # proposals the target never verified left the mirror ahead of the target's tokens).
+            m.num_computed = min(m.num_computed, common, m.num_tokens - 1)
             self._trim(m, m.num_computed)
             self._register(m)
         # KV slots for the unseen tokens and all but the last proposal.
@@ -107,7 +109,7 @@ class DraftModelDrafter:
         return m
 
     def _trim(self, m: Sequence, num_tokens: int) -> None:
-        keep = -(-num_tokens // self.block_size)
+        keep = max(-(-num_tokens // self.block_size), m.num_registered_blocks)  # cached blocks stay
         if len(m.block_table) > keep:
             self.pool.release(m.block_table[keep:])
             del m.block_table[keep:]
