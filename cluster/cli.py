@@ -66,7 +66,7 @@ SERVE_FLAGS = {
     ("ray_address",): "--ray-address", ("redis_url",): "--redis-url", ("host",): "--host",
     ("http_port",): "--http-port", ("grpc_port",): "--grpc-port", ("num_cpus",): "--num-cpus",
     ("engine", "dtype"): "--dtype", ("engine", "quantization"): "--quantization",
-    ("engine", "device"): "--device",
+    ("engine", "device"): "--device", ("engine", "speculative"): "--speculative",
     ("engine", "cache", "block_size"): "--block-size", ("engine", "cache", "num_blocks"): "--num-blocks",
     ("engine", "scheduler", "max_num_batched_tokens"): "--max-num-batched-tokens",
     ("engine", "scheduler", "max_num_seqs"): "--max-num-seqs", ("engine", "max_model_len"): "--max-model-len",
@@ -80,7 +80,7 @@ SERVE_FLAGS = {
 }
 CONFIG_FLAGS = {
     ("model",): "--model", ("dtype",): "--dtype", ("quantization",): "--quantization",
-    ("device",): "--device", ("seed",): "--seed",
+    ("device",): "--device", ("seed",): "--seed", ("speculative",): "--speculative",
     ("cache", "block_size"): "--block-size", ("cache", "num_blocks"): "--num-blocks",
     ("scheduler", "max_num_batched_tokens"): "--max-num-batched-tokens",
     ("cache", "hicache", "enabled"): "--hicache", ("cache", "hicache", "host_bytes"): "--hicache-host-bytes",
@@ -142,6 +142,10 @@ def _engine_flags(defaults: bool = True) -> argparse.ArgumentParser:
                         % ("" if defaults else " of each worker"))
     g.add_argument("--max-num-batched-tokens", type=int, metavar="N",
                    help="tokens per engine step (default 2048)")
+    g.add_argument("--speculative", type=_speculative, metavar="draft=MODEL,k=4|ngram,k=4,n=3",
+                   help="speculative decoding: a draft model with the target's vocabulary, or prompt lookup "
+                        "(n-gram match in the prompt and output); also n_min, token_cost, max_batch "
+                        "(default: off; requests opt out with speculate=false)")
     h = parent.add_argument_group("HiCache: host-memory and disk tiers under the KV pool (policies: config file)")
     h.add_argument("--hicache", action="store_true", default=None,
                    help="keep blocks the pool evicts in host memory (and on disk with --hicache-disk-dir) "
@@ -150,6 +154,16 @@ def _engine_flags(defaults: bool = True) -> argparse.ArgumentParser:
     h.add_argument("--hicache-disk-dir", metavar="DIR", help="disk tier directory, created 0700 (default: none)")
     h.add_argument("--hicache-disk-bytes", type=int, metavar="B", help="disk tier budget (default 8 GiB)")
     return parent
+
+
+def _speculative(value: str) -> dict:
+    """--speculative's text -> the whole engine.speculative section (it replaces the file's)."""
+    from engine.config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.from_flag(value).model_dump()
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _int_list(value: str) -> list[int]:
@@ -264,6 +278,7 @@ def engine_config(args: argparse.Namespace):
             enabled=args.hicache, host_bytes=args.hicache_host_bytes, disk_dir=args.hicache_disk_dir,
             disk_bytes=args.hicache_disk_bytes)),
         scheduler=given(max_num_batched_tokens=args.max_num_batched_tokens),
+        **given(speculative=args.speculative),
     ))
 
 
@@ -279,7 +294,7 @@ def cluster_config(args: argparse.Namespace):
         "ray_address": args.ray_address, "redis_url": args.redis_url, "host": args.host, "role": args.role,
         "http_port": args.http_port, "grpc_port": args.grpc_port, "num_cpus": args.num_cpus,
         "engine": {"dtype": args.dtype, "quantization": args.quantization, "device": args.device,
-                   "max_model_len": args.max_model_len,
+                   "max_model_len": args.max_model_len, "speculative": args.speculative,
                    "cache": {"block_size": args.block_size, "num_blocks": args.num_blocks,
                              "hicache": {"enabled": args.hicache, "host_bytes": args.hicache_host_bytes,
                                          "disk_dir": args.hicache_disk_dir, "disk_bytes": args.hicache_disk_bytes}},

@@ -8,7 +8,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine.parallel.config import ParallelConfig
 
@@ -74,6 +74,66 @@ class SchedulerConfig(_Frozen):
     enable_chunked_prefill: bool = True
 
 
+class SpeculativeConfig(_Frozen):
+    """Speculative decoding (engine.spec): propose k tokens cheaply, verify them in one target pass.
+
+    method "ngram": prompt lookup, the longest n-gram (n down to n_min) ending the context that also
+    occurs earlier in it proposes what followed it there. "draft": `draft_model` (same vocabulary)
+    proposes with its own runner, KV pool and prefix cache. Off ("none") by default.
+    """
+
+    method: Literal["none", "ngram", "draft"] = "none"
+    k: int = Field(4, ge=1, le=16)  # most tokens proposed per request per step
+    n: int = Field(3, ge=1, le=16)  # ngram: longest n-gram matched
+    n_min: int = Field(2, ge=1, le=16)  # ngram: shortest, capped by n (1-grams match by chance too often to pay)
+    draft_model: str | None = None
+    # The draft's KV pool; None: as many blocks as the target's pool (a smaller model's are smaller).
+    draft_num_blocks: int | None = Field(None, ge=2)
+    # Adaptive k (engine.spec.adaptive): cost of one more proposed token, as a fraction of a plain
+    # decode step (drafting it + verifying it); a request's k maximises tokens per unit cost.
+    token_cost: float = Field(0.1, ge=0.0, le=1.0)
+    # Speculation is skipped in a step with more running decodes than this (the step is then
+    # compute-bound: verified tokens cost as much as plain ones). Seeded sampled requests keep
+    # speculating, so their tokens never depend on their batch.
+    max_batch: int = Field(8, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> SpeculativeConfig:
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative: method draft needs draft_model (--speculative draft=MODEL,k=4)")
+        if self.method != "draft" and self.draft_model:
+            raise ValueError("speculative: draft_model is set but method is not draft")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+    @classmethod
+    def from_flag(cls, text: str) -> SpeculativeConfig:
+        """`draft=MODEL,k=4` | `ngram,k=4,n=3` | `none` (the --speculative flag) -> a config."""
+        fields: dict = {}
+        for i, part in enumerate(p.strip() for p in text.split(",")):
+            key, eq, value = part.partition("=")
+            if i == 0 and key in ("none", "ngram") and not eq:
+                fields["method"] = key
+            elif i == 0 and key == "draft" and eq:
+                fields.update(method="draft", draft_model=value)
+            elif i and key in ("k", "n", "n_min", "draft_num_blocks", "max_batch") and eq:
+                fields[key] = value
+            elif i and key == "token_cost" and eq:
+                fields[key] = value
+            else:
+                raise ValueError(f"speculative: cannot read {part!r} in {text!r}; expected "
+                                 "draft=MODEL,k=4 or ngram,k=4,n=3 (also n_min, token_cost, max_batch, "
+                                 "draft_num_blocks) or none")
+        try:
+            return cls.model_validate(fields)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors())
+            raise ValueError(f"--speculative {text!r}: {problems}") from None
+
+
 class EngineConfig(_Frozen):
     model: str = "tiny"
     # Salts block hashes so two models never share prefix-cache entries; defaults to the
@@ -93,6 +153,7 @@ class EngineConfig(_Frozen):
     scheduler: SchedulerConfig = SchedulerConfig()
     # Tensor/expert parallel split of the model over ranks (engine.parallel); size 1 by default.
     parallel: ParallelConfig = ParallelConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
@@ -102,4 +163,6 @@ class EngineConfig(_Frozen):
             raise ValueError("cache.hicache.enabled needs cache.enable_prefix_cache")
         if self.quantization != "none" and self.parallel.world_size > 1:
             raise ValueError("quantization is not supported with tensor/expert parallel yet: use parallel size 1")
+        if self.speculative.enabled and self.parallel.world_size > 1:
+            raise ValueError("speculative decoding is not supported with tensor/expert parallel yet")
         return self

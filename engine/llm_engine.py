@@ -20,9 +20,11 @@ from engine.config import EngineConfig, Role
 from engine.engine_setup import EngineParts, build_parts
 from engine.outputs import KVExport, RequestOutput, Usage
 from engine.radix_cache import CacheStats
+from engine.sampler import token_logprobs
 from engine.sampling import InvalidRequest, SamplingParams, TokenLogprobs
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence, SequenceStatus
+from engine.spec import build_speculator
 from engine.tokenizer import IncrementalDetokenizer, prompt_token_ids
 
 Prompt = str | Seq[int]
@@ -38,6 +40,8 @@ class LLMEngine:
         self.runner, self.pool, self.cache, self.scheduler, self.sampler = (
             p.runner, p.pool, p.cache, p.scheduler, p.sampler)
         self.hicache = p.hicache  # host/disk tiers under the device pool, or None
+        # Speculative decoding (engine.spec), or None when off.
+        self.speculator = build_speculator(config, self.model_config, self.pool, self.sampler, self.max_model_len)
         self.block_size = config.cache.block_size
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -126,21 +130,53 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return ready
-        sampled = [s.seq for s in batch if s.samples]
+        if self.speculator is not None:
+            self.speculator.propose(batch)  # some decodes now verify 1 + k tokens
+        sampled = [s for s in batch if s.samples]
         logits = self.runner.run(batch)
+        results = self._sample_step(sampled, logits)
         self.scheduler.after_step(batch)
+        if self.speculator is not None:
+            self.speculator.rewind(sampled)
         if self.hicache is not None:
             self.hicache.after_step()
         outputs = ready
-        for seq, token, lp in zip(sampled, *self._sample(logits, sampled)):
-            if isinstance(token, BaseException):
-                outputs.append(self._fail(seq, token, "sampling"))
+        for s, (tokens, lps) in zip(sampled, results):
+            if isinstance(tokens, BaseException):
+                outputs.append(self._fail(s.seq, tokens, "sampling"))
                 continue
             try:
-                outputs.append(self._append(seq, token, lp))
+                outputs.append(self._append(s.seq, tokens, lps))
             except Exception as exc:  # stop checks, detokenizing: this request's own inputs
-                outputs.append(self._fail(seq, exc, "stop checks or detokenizing"))
+                outputs.append(self._fail(s.seq, exc, "stop checks or detokenizing"))
         return outputs
+
+    def _sample_step(self, sampled: list[ScheduledSeq], logits: torch.Tensor) -> list[tuple]:
+        """(tokens, logprobs) per sampling sequence: one sampled token per plain row, the verified
+        run of a proposing sequence (engine.spec); an exception in place of tokens for a request
+        whose row could not be sampled."""
+        plain, plain_rows, spans, row = [], [], {}, 0
+        for i, s in enumerate(sampled):
+            if s.num_draft:
+                spans[i] = row
+            else:
+                plain.append(i)
+                plain_rows.append(row)
+            row += 1 + s.num_draft
+        results: list[tuple] = [((), ())] * len(sampled)
+        if plain:
+            seqs = [sampled[i].seq for i in plain]
+            for i, token, lp in zip(plain, *self._sample(logits[plain_rows], seqs)):
+                results[i] = (token, None) if isinstance(token, BaseException) else ([token], [lp])
+        if spans:
+            items = [(sampled[i], logits[start : start + 1 + sampled[i].num_draft]) for i, start in spans.items()]
+            for i, (s, rows), tokens in zip(spans, items, self.speculator.verify(items)):
+                if isinstance(tokens, Exception):
+                    results[i] = (tokens, None)
+                else:
+                    lps = token_logprobs(rows[: len(tokens)], tokens, [s.seq.params.logprobs] * len(tokens))
+                    results[i] = (tokens, lps)
+        return results
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list, list]:
         """Tokens and logprobs per row of logits (N, V); a row that cannot be sampled gets its
@@ -174,32 +210,42 @@ class LLMEngine:
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
         self.seqs.pop(seq.request_id, None)
         self.detoks.pop(seq.request_id, None)
+        if self.speculator is not None:
+            self.speculator.forget(seq.request_id)
         return RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, token_ids=seq.output_token_ids,
             new_token_ids=[], text="", finished=True, finish_reason="error", usage=self._usage(seq),
             error=f"the request failed in the engine ({stage}); log id {log_id}")
 
-    def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> RequestOutput:
-        seq.token_ids.append(token)
-        if logprobs is not None:
-            seq.logprobs.append(logprobs)
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprobs | None]) -> RequestOutput:
+        """Append this step's tokens (one, or a verified speculative run) one at a time, checking
+        stops after each: a stop inside the run drops the tokens after it."""
         detok = self.detoks[seq.request_id]
-        detok.update(seq.output_token_ids)
-        reason = self._stop_reason(seq, token, detok)
+        new: list[int] = []
+        reason = None
+        for token, lp in zip(tokens, logprobs):
+            seq.token_ids.append(token)
+            new.append(token)
+            if lp is not None:
+                seq.logprobs.append(lp)
+            detok.update(seq.output_token_ids)
+            reason = self._stop_reason(seq, token, detok)
+            if reason is not None:
+                break
         if reason is not None:
             detok.finish()  # text == decode(output tokens), an unfinished last character included
         delta = detok.take(0 if reason else _holdback(seq.params))
         if reason is not None:
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
             self.scheduler.remove(seq)
-            return self._finish_output(seq, [token], delta)
+            return self._finish_output(seq, new, delta)
         if self.config.role == Role.PREFILL:
             self.scheduler.remove(seq, release=False)
             seq.status = SequenceStatus.PREFILLED
             self.prefilled[seq.request_id] = self.seqs.pop(seq.request_id)
             self.detoks.pop(seq.request_id)
-            return self._output(seq, [token], delta, kv_ready=True)
-        return self._output(seq, [token], delta)
+            return self._output(seq, new, delta, kv_ready=True)
+        return self._output(seq, new, delta)
 
     def _stop_reason(self, seq: Sequence, token: int, detok: IncrementalDetokenizer) -> str | None:
         p = seq.params
@@ -228,12 +274,15 @@ class LLMEngine:
         out = self._output(seq, new, delta)
         self.seqs.pop(seq.request_id, None)
         self.detoks.pop(seq.request_id, None)
+        if self.speculator is not None:
+            self.speculator.forget(seq.request_id)
         return out
 
     def _usage(self, seq: Sequence) -> Usage:
         cached = seq.num_cached_tokens or 0
         by_tier = seq.cached_by_tier or ({"device": cached} if cached else {})
-        return Usage(seq.num_prompt_tokens, len(seq.output_token_ids), cached, by_tier)
+        return Usage(seq.num_prompt_tokens, len(seq.output_token_ids), cached, by_tier,
+                     seq.num_draft_tokens, seq.num_accepted_tokens, seq.num_spec_steps)
 
     # -- offline ----------------------------------------------------------------
     def generate(self, prompts: Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -342,6 +391,7 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
             "prefix_hit_rate": cs.hit_rate, "evicted_blocks": cs.evicted_blocks,
             **({"hicache": self.hicache.snapshot()} if self.hicache is not None else {}),
+            **(self.speculator.stats() if self.speculator is not None else {}),
         }
 
     def close(self) -> None:

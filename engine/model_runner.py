@@ -11,6 +11,11 @@ from engine.models.varlen_attention import default_kernel, varlen_metadata
 from engine.scheduler import ScheduledSeq
 
 
+# Chunks of up to this many tokens that continue a sequence are attended like decodes, grouped by
+# length (one call per group): speculative verifications and a draft model catching up.
+MAX_GROUPED_QUERIES = 17
+
+
 def kv_cache_blocks(cfg: CacheConfig, model_cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
     if cfg.num_blocks is not None:
         return cfg.num_blocks
@@ -59,7 +64,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        """Compute `batch` (decodes first) and return logits (N, V) for the rows that sample."""
+        """Compute `batch` (decodes first) and return logits (N, V) for the rows that sample: one per
+        sampling sequence, 1 + num_draft for a sequence verifying proposals (engine.spec)."""
         input_ids, positions, meta, sample_rows = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_cache, meta)
         return self.model.compute_logits(hidden[sample_rows])
@@ -73,6 +79,7 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillSpan] = []
+        verifies: list[tuple[int, int, int, list[int]]] = []  # (q_start, q_len, context, table)
         for s in batch:
             seq, start, n = s.seq, s.seq.num_computed, s.num_new_tokens
             q_start = len(ids)
@@ -83,11 +90,13 @@ class ModelRunner:
             if n == 1:
                 decode_tables.append(table[: -(-(start + 1) // bs)])
                 decode_lens.append(start + 1)
+            elif s.num_draft or (start and n <= MAX_GROUPED_QUERIES):  # a verification, a draft catching up
+                verifies.append((q_start, n, start + n, table[: -(-(start + n) // bs)]))
             else:
                 nb = -(-(start + n) // bs)
                 prefills.append(PrefillSpan(q_start, n, start + n, self._tensor(table[:nb])))
             if s.samples:
-                sample_rows.append(len(ids) - 1)
+                sample_rows += range(len(ids) - 1 - s.num_draft, len(ids))
         meta = AttentionMetadata(slot_mapping=self._tensor(slots), block_size=bs, prefills=prefills)
         if self.varlen_kernel is not None:
             spans = [(s.num_new_tokens, s.seq.num_computed + s.num_new_tokens, s.seq.block_table) for s in batch]
@@ -95,6 +104,7 @@ class ModelRunner:
             return self._tensor(ids), self._tensor(pos), meta, self._tensor(sample_rows)
         meta.decodes = [self._decode_group(start, decode_tables[start:end], decode_lens[start:end])
                         for start, end in _groups(decode_lens)]
+        meta.decodes += self._verify_groups(verifies)
         return self._tensor(ids), self._tensor(pos), meta, self._tensor(sample_rows)
 
     def _decode_group(self, start: int, tables: list[list[int]], lens: list[int]) -> DecodeGroup:
@@ -107,6 +117,29 @@ class ModelRunner:
         if len(tables) == 1 and tables[0] == list(range(tables[0][0], tables[0][0] + width)):
             first = tables[0][0]
         return DecodeGroup(start, self._tensor([t + [0] * (width - len(t)) for t in tables]), mask, first)
+
+    def _verify_groups(self, verifies: list[tuple[int, int, int, list[int]]]) -> list[DecodeGroup]:
+        """Short continuing chunks (speculative verifications, engine/spec) packed back to back with
+        the same q_len, in one attention call each: each query sees its history and the new
+        tokens up to itself."""
+        groups: list[DecodeGroup] = []
+        i = 0
+        while i < len(verifies):
+            j = i
+            while j < len(verifies) and verifies[j][1] == verifies[i][1] and \
+                    verifies[j][0] == verifies[i][0] + (j - i) * verifies[i][1]:
+                j += 1
+            run = verifies[i:j]
+            q_len = run[0][1]
+            width = max(len(v[3]) for v in run)
+            keys = torch.arange(width * self.block_size, device=self.device)
+            ctx = self._tensor([v[2] for v in run])  # (D,)
+            qpos = ctx[:, None] - q_len + torch.arange(q_len, device=self.device)[None, :]  # (D, Q)
+            mask = (keys[None, None, :] <= qpos[:, :, None])[:, None]  # (D, 1, Q, S)
+            tables = self._tensor([v[3] + [0] * (width - len(v[3])) for v in run])
+            groups.append(DecodeGroup(run[0][0], tables, mask, None, q_len))
+            i = j
+        return groups
 
     def _tensor(self, values) -> torch.Tensor:
         t = torch.tensor(values, dtype=torch.long)

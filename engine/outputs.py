@@ -15,6 +15,20 @@ class Usage:
     cached_tokens: int
     # Where the cached tokens came from, by tier ("device", "host", "disk"); sums to cached_tokens.
     cached_by_tier: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding: tokens proposed, of those accepted, and verification steps (0 without it).
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_steps: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted / proposed tokens (0 when nothing was proposed)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_accepted_per_step(self) -> float:
+        """Mean proposals accepted per verification step."""
+        return self.spec_accepted_tokens / self.spec_steps if self.spec_steps else 0.0
 
 
 @dataclass

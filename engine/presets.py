@@ -96,6 +96,9 @@ PRESETS: dict[str, PresetSpec] = {
                    _qwen3_config(128, 2, 4, 2, 32, 384, "bpe-4k"), "bpe-4k", seed=0),
         PresetSpec("tiny-moe", "Qwen3MoeForCausalLM",
                    _qwen3_config(128, 2, 4, 2, 32, 384, "bpe-4k", **_moe_extra(4)), "bpe-4k", seed=1),
+        # A draft for speculative decoding tests: `tiny`'s vocabulary (same tokenizer), a quarter of its work.
+        PresetSpec("tiny-draft", "Qwen3ForCausalLM",
+                   _qwen3_config(64, 1, 2, 1, 32, 192, "bpe-4k"), "bpe-4k", seed=3),
         PresetSpec("bench", "Qwen3ForCausalLM",
                    _qwen3_config(512, 8, 8, 2, 64, 1536, "bpe-32k"), "bpe-32k", seed=2),
     )

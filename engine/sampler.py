@@ -29,31 +29,49 @@ class Sampler:
                 greedy, self._sample(logits, params, positions),
             )
         token_list = tokens.tolist()
-        logprobs: list[TokenLogprobs | None] = [None] * len(params)
-        want = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if want:
-            lp = torch.log_softmax(logits[want], dim=-1)  # (W, V), of the raw model distribution
-            n = max(params[i].logprobs for i in want)
-            top_v, top_i = lp.topk(max(n, 1), dim=-1)
-            chosen = lp.gather(1, tokens[want].unsqueeze(1)).squeeze(1).tolist()
-            top_v, top_i = top_v.tolist(), top_i.tolist()
-            for row, i in enumerate(want):
-                k = params[i].logprobs
-                logprobs[i] = TokenLogprobs(token_list[i], chosen[row], list(zip(top_i[row][:k], top_v[row][:k])))
-        return token_list, logprobs
+        return token_list, token_logprobs(logits, token_list, [p.logprobs for p in params])
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> torch.Tensor:
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
-                             device=logits.device).unsqueeze(1)
-        probs = torch.softmax(_filter(logits / temps, params), dim=-1)  # (N, V)
+        probs = target_probs(logits, params)  # (N, V)
         # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p.
         noise = torch.empty_like(probs)
         for i, p in enumerate(params):
-            gen = self.generator
-            if p.seed is not None:
-                gen = torch.Generator(device=probs.device).manual_seed(_mix(p.seed, positions[i]))
-            noise[i].exponential_(generator=gen)
+            noise[i].exponential_(generator=self.generator_for(p, positions[i]))
         return (probs / noise).argmax(dim=-1)
+
+    def generator_for(self, params: SamplingParams, position: int, stream: int = 0) -> torch.Generator:
+        """The noise source of a request's output position: the shared generator, or for a seeded
+        request one keyed by (seed, position, stream), so its draws never depend on the batch.
+        Stream 0 is the token's own draw; speculative decoding keys its other draws by other streams."""
+        if params.seed is None:
+            return self.generator
+        return torch.Generator(device=self.device).manual_seed(_mix(params.seed, position) ^ stream)
+
+
+def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """(N, V) logits -> the distribution a sampled request draws from: temperature, then top-k,
+    top-p and min-p, renormalised (N, V)."""
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                         device=logits.device).unsqueeze(1)
+    return torch.softmax(_filter(logits / temps, params), dim=-1)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int],
+                   wants: list[int | None]) -> list[TokenLogprobs | None]:
+    """Per row of logits (N, V): the raw model logprob of `tokens[row]` and the top-n, where
+    `wants[row]` (n) is set."""
+    out: list[TokenLogprobs | None] = [None] * len(tokens)
+    want = [i for i, n in enumerate(wants) if n is not None]
+    if not want:
+        return out
+    lp = torch.log_softmax(logits[want], dim=-1)  # (W, V), of the raw model distribution
+    top_v, top_i = lp.topk(max(max(wants[i] for i in want), 1), dim=-1)
+    chosen = lp.gather(1, torch.tensor([tokens[i] for i in want], device=lp.device).unsqueeze(1)).squeeze(1).tolist()
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    for row, i in enumerate(want):
+        k = wants[i]
+        out[i] = TokenLogprobs(tokens[i], chosen[row], list(zip(top_i[row][:k], top_v[row][:k])))
+    return out
 
 
 def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

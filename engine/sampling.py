@@ -43,6 +43,8 @@ class SamplingParams:
     # detokenizer and stop strings run over the whole output, and text resumes after those characters.
     resumed_tokens: int = 0
     resumed_chars: int = 0
+    # False: this request never speculates, even on an engine with speculative decoding on.
+    speculate: bool = True
 
     def __post_init__(self) -> None:
         _integer("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT)
@@ -57,8 +59,9 @@ class SamplingParams:
             raise InvalidRequest("min_p", f"must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             _integer("seed", self.seed, SEED_RANGE[0], SEED_RANGE[1] - 1)
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidRequest("ignore_eos", f"must be true or false, got {_show(self.ignore_eos)}")
+        for name in ("ignore_eos", "speculate"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequest(name, f"must be true or false, got {_show(getattr(self, name))}")
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
         for name in ("resumed_tokens", "resumed_chars"):

@@ -22,6 +22,7 @@ from engine.sequence import Sequence, SequenceStatus
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens to compute this step, from seq.num_computed on
+    num_draft: int = 0  # of those, the last ones proposed by speculative decoding: each gets a logits row
 
     @property
     def samples(self) -> bool:

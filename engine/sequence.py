@@ -33,6 +33,10 @@ class Sequence:
     logprobs: list[TokenLogprobs] | None = None
     num_preemptions: int = 0
     cache_salt: str | None = None  # roots the hash chain (engine.block_hash.salted_root)
+    # Speculative decoding (engine.spec): tokens proposed, proposals accepted, verification steps.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_spec_steps: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -28,6 +28,14 @@ class FrontDoorMetrics:
         self.cached_tokens = Counter("brigade_cached_prompt_tokens", "Prompt tokens served from a cache, by tier",
                                      ["tier"], registry=r)
         self.generated_tokens = Counter("brigade_generated_tokens", "Tokens generated", registry=r)
+        # Speculative decoding: acceptance rate = accepted / draft; mean accepted per step = accepted / steps.
+        self.spec_draft_tokens = Counter("brigade_spec_draft_tokens", "Tokens proposed by speculative decoding "
+                                         "(finished requests)", registry=r)
+        self.spec_accepted_tokens = Counter("brigade_spec_accepted_tokens", "Proposed tokens the target accepted",
+                                            registry=r)
+        self.spec_steps = Counter("brigade_spec_verify_steps", "Speculative verification steps", registry=r)
+        self.spec_acceptance = Histogram("brigade_spec_acceptance_rate", "Per request: accepted / proposed tokens",
+                                         buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0), registry=r)
         self.router_waiting = Gauge("brigade_router_waiting", "Requests waiting for admission at the router",
                                     registry=r)
         self.router_running = Gauge("brigade_router_running", "Requests dispatched to workers", registry=r)
@@ -45,6 +53,11 @@ class FrontDoorMetrics:
             self.generated_tokens.inc(usage.completion_tokens)
             for tier, n in (usage.cached_by_tier or {}).items():
                 self.cached_tokens.labels(tier).inc(n)
+            if usage.spec_draft_tokens:
+                self.spec_draft_tokens.inc(usage.spec_draft_tokens)
+                self.spec_accepted_tokens.inc(usage.spec_accepted_tokens)
+                self.spec_steps.inc(usage.spec_steps)
+                self.spec_acceptance.observe(usage.spec_acceptance_rate)
 
     def set_router_queue(self, waiting: int, running: int) -> None:
         self.router_waiting.set(waiting)

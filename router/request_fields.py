@@ -16,7 +16,7 @@ from engine.sampling import InvalidRequest, SamplingParams
 SAMPLING_FIELDS: dict[str, str] = {
     "max_tokens": "int", "temperature": "number", "top_p": "number", "top_k": "int",
     "min_p": "number", "seed": "int", "stop": "strings", "ignore_eos": "bool",
-    "stop_token_ids": "ints",
+    "stop_token_ids": "ints", "speculate": "bool",  # speculate: false opts out of speculative decoding
     "logprobs": "int",  # top-n per token; the chat API's `logprobs: true, top_logprobs: n` maps onto it
 }
 

@@ -14,6 +14,7 @@ import torch
 
 from engine import CacheConfig, EngineConfig, LLMEngine, RequestOutput, Role, SamplingParams, SchedulerConfig
 from engine.block_pool import BlockPool
+from engine.config import SpeculativeConfig
 from engine.radix_cache import RadixCache
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence
@@ -69,9 +70,10 @@ def save_hf_model(name: str, path: Path, seed: int = 0, **save_kwargs: Any) -> P
 def make_engine(model: str | Path, *, num_blocks: int = 256, block_size: int = 4, budget: int = 2048,
                 max_num_seqs: int = 64, chunked: bool = True, prefix_cache: bool = True,
                 role: Role = Role.MIXED, seed: int = 0, dtype: str = "float32",
-                max_model_len: int | None = None) -> LLMEngine:
+                max_model_len: int | None = None, speculative: SpeculativeConfig | None = None) -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=str(model), dtype=dtype, device="cpu", role=role, seed=seed, max_model_len=max_model_len,
+        speculative=speculative or SpeculativeConfig(),
         cache=CacheConfig(num_blocks=num_blocks, block_size=block_size, enable_prefix_cache=prefix_cache),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                   enable_chunked_prefill=chunked),

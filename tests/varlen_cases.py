@@ -29,6 +29,7 @@ class _Scheduled:
     seq: _Seq
     num_new_tokens: int
     samples: bool = True
+    num_draft: int = 0  # speculative proposals (engine/spec; never on parallel ranks: refused at config)
 
 
 # (tokens with KV before this step, new tokens): decodes first, as the scheduler orders them.

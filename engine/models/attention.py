@@ -25,14 +25,17 @@ class PrefillSpan:
 
 @dataclass
 class DecodeGroup:
-    """Consecutive single-token queries of similar context length, attended in one call."""
+    """Consecutive sequences each adding q_len tokens (1: decodes; more: speculative verifications,
+    engine/spec), attended in one call."""
 
     start: int  # offset of the group's first token in the packed batch
     block_tables: torch.Tensor  # (D, MB), padded with block 0
-    mask: torch.Tensor | None  # (D, 1, 1, MB*bs) True where a key is real; None if none is padding
+    # (D, 1, q_len, MB*bs) True where a query sees a key (real and causal); None if all see all.
+    mask: torch.Tensor | None
     # Set when the group is one sequence whose blocks are consecutive ids from this one: its
     # keys are then a view of the pool, with no gather (blocks come off the free list in runs).
     first_block: int | None = None
+    q_len: int = 1
 
 
 @dataclass
@@ -61,7 +64,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         return varlen_attention(q, k_cache, v_cache, meta.varlen, scale)
     out = torch.empty_like(q)
     for group in meta.decodes:
-        s = slice(group.start, group.start + group.block_tables.shape[0])
+        s = slice(group.start, group.start + group.block_tables.shape[0] * group.q_len)
         out[s] = _decode(q[s], k_cache, v_cache, group, scale)
     for span in meta.prefills:
         s = slice(span.q_start, span.q_start + span.q_len)
@@ -78,8 +81,9 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 
 
 def _decode(q, k_cache, v_cache, group: DecodeGroup, scale: float) -> torch.Tensor:
-    d, h, hd = q.shape
-    hkv = k_cache.shape[2]
+    t, h, hd = q.shape
+    hkv, ql = k_cache.shape[2], group.q_len
+    d = t // ql
     if group.first_block is not None:
         blocks = slice(group.first_block, group.first_block + group.block_tables.shape[1])
         keys = k_cache[blocks].reshape(1, -1, hkv, hd).transpose(1, 2)  # (1, Hkv, S, hd), a view
@@ -87,11 +91,15 @@ def _decode(q, k_cache, v_cache, group: DecodeGroup, scale: float) -> torch.Tens
     else:
         keys = _gather(k_cache, group.block_tables).transpose(1, 2)  # (D, Hkv, S, hd)
         vals = _gather(v_cache, group.block_tables).transpose(1, 2)
-    # One query per sequence: the heads sharing a KV head become rows of that head's
-    # query matrix, so GQA needs no repeated keys.
-    qg = q.view(d, hkv, h // hkv, hd)  # (D, Hkv, G, hd)
-    out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=group.mask, scale=scale)
-    return out.reshape(d, h, hd)
+    # The heads sharing a KV head become rows of that head's query matrix (q_len x G rows), so
+    # GQA needs no repeated keys.
+    g = h // hkv
+    qg = q.view(d, ql, hkv, g, hd).transpose(1, 2).reshape(d, hkv, ql * g, hd)  # (D, Hkv, Q*G, hd)
+    mask = group.mask
+    if mask is not None and ql > 1:
+        mask = mask[:, :, :, None, :].expand(-1, -1, -1, g, -1).reshape(d, 1, ql * g, mask.shape[-1])
+    out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask, scale=scale)  # (D, Hkv, Q*G, hd)
+    return out.view(d, hkv, ql, g, hd).transpose(1, 2).reshape(t, h, hd)
 
 
 def _prefill(q, k, v, k_cache, v_cache, span: PrefillSpan, scale: float) -> torch.Tensor:

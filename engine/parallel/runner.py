@@ -75,6 +75,7 @@ class _Scheduled:
     seq: _Seq
     num_new_tokens: int
     samples: bool
+    num_draft: int = 0  # speculative proposals (engine/spec; never on parallel ranks: refused at config)
 
 
 def encode_batch(batch, block_size: int) -> list[int]:

@@ -235,6 +235,11 @@ class ChatShape(CompletionShape):
 def usage_dict(usage: Usage | None) -> dict:
     if usage is None:  # e.g. an aborted request's last chunk
         return {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+    out = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+           "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+    if usage.spec_draft_tokens:  # speculative decoding ran (an extension: OpenAI has no such field)
+        out["speculative"] = {"draft_tokens": usage.spec_draft_tokens, "accepted_tokens": usage.spec_accepted_tokens,
+                              "verify_steps": usage.spec_steps, "acceptance_rate": usage.spec_acceptance_rate,
+                              "accepted_per_step": usage.spec_accepted_per_step}
+    return out

@@ -1,0 +1,216 @@
+"""Speculative decoding benchmark: what proposing tokens and verifying them in one target pass buys.
+
+Every ratio compares the same engine with speculation on and off, in ONE run, in the machine's
+best precision (--dtype auto), greedy (so both sides emit the same tokens; the run checks it):
+
+  draft_speedup_bs1     (target >= 2.0)
+      Qwen2.5-Coder-1.5B-Instruct with Qwen2.5-Coder-0.5B-Instruct drafting (--speculative
+      draft=qwen2.5-coder-0.5b,k=K), batch 1: 8 code prompts x 128 tokens one after another;
+      plain wall time / speculative wall time (model loads excluded).
+  ngram_speedup_bs1     (target >= 1.5)
+      SmolLM2-135M-Instruct with prompt lookup (--speculative ngram,k=K,n=3), batch 1, on an
+      input-grounded task: rewrite a given passage (its output copies long runs of its prompt).
+  spec_throughput_b16   (target >= 0.95)
+      Output tokens/s of 16 such rewrite requests submitted at once, prompt lookup on / off: at
+      load speculation must not cost (the adaptive rule turns it off in compute-bound steps).
+
+raw.acceptance holds acceptance rate (accepted / proposed) and mean accepted tokens per
+verification step per drafter and workload; raw also has per-phase times, token counts and
+whether speculative output equalled plain output.
+
+--quick (a smoke run, < 1 minute on a quiet machine once SmolLM2 is pulled): SmolLM2 only, 2
+prompts x 48 tokens and 8 concurrent; draft_speedup_bs1 is then SmolLM2 drafting for itself, a
+check of the path (not the real pair), and the file is spec_bench.quick.json. Models come from
+the registry (`brigade models pull ...`; pulled on first use otherwise). A missed target prints
+MISS and still exits 0. Timing is only meaningful on a quiet machine.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import benchmarks._common as C  # noqa: E402
+from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from engine.config import SpeculativeConfig  # noqa: E402
+
+NAME = "spec_bench"
+TARGETS = {"draft_speedup_bs1": ">= 2.0", "ngram_speedup_bs1": ">= 1.5", "spec_throughput_b16": ">= 0.95"}
+
+PASSAGES = [
+    "The river town woke slowly. Fishermen pulled their boats onto the gravel, the baker opened his "
+    "shutters, and a thin fog lifted from the water as the church bell rang seven times. By noon the "
+    "market square was full of traders selling apples, wool and copper pots, and children ran between "
+    "the stalls chasing a brown dog that had stolen a loaf of bread.",
+    "Photosynthesis is the process by which green plants use sunlight to turn water and carbon dioxide "
+    "into glucose and oxygen. It happens mostly in the leaves, inside small structures called "
+    "chloroplasts, which contain the green pigment chlorophyll. The oxygen is released into the air "
+    "and the glucose feeds the plant and is stored as starch.",
+    "To reset the router, unplug it from the wall and wait thirty seconds. Plug it back in and wait "
+    "until the power light stops blinking. Then press and hold the reset button on the back for ten "
+    "seconds with a paperclip. The router restarts with its factory settings and the default network "
+    "name printed on the label underneath.",
+    "The committee met on Tuesday to review the budget for the new library. Members agreed to move "
+    "funds from the parking project to the children's section, to extend opening hours on weekends, "
+    "and to ask the city for a grant to repair the roof before winter. The next meeting is planned "
+    "for the first Monday of March.",
+]
+CODE_TASKS = [
+    "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring.",
+    "Write a Python function that checks whether a string is a palindrome, ignoring case and spaces.",
+    "Write a Python class Stack with push, pop, peek and is_empty methods.",
+    "Write a Python function that merges two sorted lists into one sorted list.",
+    "Write a Python function that counts the words in a text file and returns a dict of counts.",
+    "Write a Python function binary_search(items, target) that returns the index or -1.",
+    "Write a Python function that flattens a nested list of arbitrary depth.",
+    "Write a Python function that parses a CSV line with quoted fields into a list of strings.",
+]
+
+
+@dataclass(frozen=True)
+class Plan:
+    target: str  # draft pair's target
+    draft: str
+    ngram_model: str
+    code_prompts: int
+    code_tokens: int
+    rewrite_prompts: int
+    rewrite_tokens: int
+    concurrent: int
+    k_draft: int
+    k_ngram: int
+
+
+FULL = Plan("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", C.REAL_MODEL, 8, 128, 4, 128, 16, 4, 6)
+QUICK = Plan(C.REAL_MODEL, C.REAL_MODEL, C.REAL_MODEL, 2, 48, 2, 48, 8, 4, 6)
+
+
+def make_engine(model: str, dtype: str, spec: SpeculativeConfig | None = None) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=model, dtype=dtype, cache=CacheConfig(enable_prefix_cache=False),
+                                  speculative=spec or SpeculativeConfig()))
+
+
+def chat(engine: LLMEngine, text: str) -> list[int]:
+    return engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+
+
+def rewrite_prompts(engine: LLMEngine, n: int) -> list[list[int]]:
+    return [chat(engine, "Rewrite the following passage exactly, only fixing punctuation if needed:\n\n" + p)
+            for p in (PASSAGES * 4)[:n]]
+
+
+def serial(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Batch 1: each prompt alone, one after another (after one warm-up request)."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    engine.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    t0 = time.perf_counter()
+    outs = [engine.generate([p], params)[0] for p in prompts]
+    return _summary(outs, time.perf_counter() - t0)
+
+
+def concurrent(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    engine.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    return _summary(outs, time.perf_counter() - t0)
+
+
+def _summary(outs, wall: float) -> dict:
+    tokens = sum(len(o.token_ids) for o in outs)
+    draft = sum(o.usage.spec_draft_tokens for o in outs)
+    accepted = sum(o.usage.spec_accepted_tokens for o in outs)
+    steps = sum(o.usage.spec_steps for o in outs)
+    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "draft_tokens": draft,
+            "accepted_tokens": accepted, "verify_steps": steps,
+            "acceptance_rate": accepted / draft if draft else None,
+            "accepted_per_step": accepted / steps if steps else None,
+            "output": [o.token_ids for o in outs]}
+
+
+def compare(label: str, plain_fn, spec_fn) -> dict:
+    """Run plain then speculative; each engine is built, measured and dropped in turn."""
+    out = {}
+    for side, fn in (("plain", plain_fn), ("spec", spec_fn)):
+        print(f"- {label}: {side} ...", flush=True)
+        watch = C.CpuWatch()
+        out[side] = fn()
+        out[side]["cpu"] = watch.stop()
+        print(f"  {out[side]['tokens_per_s']:.1f} tok/s ({out[side]['wall_s']:.1f} s)"
+              + (f", acceptance {out[side]['acceptance_rate']:.2f}, {out[side]['accepted_per_step']:.2f} "
+                 "accepted/step" if out[side]["acceptance_rate"] is not None else ""), flush=True)
+        gc.collect()
+    out["tokens_equal"] = out["plain"].pop("output") == out["spec"].pop("output")
+    if not out["tokens_equal"]:
+        print(f"  WARNING: {label}: speculative output differs from plain (bf16 rounding can flip near-ties)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smoke run (< 1 minute, SmolLM2 only); writes "
+                                                         "spec_bench.quick.json")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="weights and KV dtype (default auto: the machine's best)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
+    ap.add_argument("--skip-draft", action="store_true", help="skip the Qwen draft-model pair (no 1.5 GB pull)")
+    ap.add_argument("--out-dir", type=Path, default=None, help="results directory (default: benchmarks/results)")
+    args = ap.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    else:
+        C.set_all_threads()
+    models = {m: C.prepare_model(m) for m in {plan.ngram_model, *(() if args.skip_draft else (plan.target, plan.draft))}}
+    machine = C.machine_info()
+    t_start = time.perf_counter()
+    print(f"{NAME}{' --quick' if args.quick else ''}: dtype {args.dtype}, {torch.get_num_threads()} torch threads")
+    raw: dict = {"plan": asdict(plan), "dtype": args.dtype, "quick": args.quick, "models": models}
+
+    ngram = SpeculativeConfig(method="ngram", k=plan.k_ngram, n=3)
+    base = make_engine(plan.ngram_model, args.dtype)
+    rewrites = rewrite_prompts(base, max(plan.rewrite_prompts, plan.concurrent))
+    raw["ngram_bs1"] = compare(
+        "prompt lookup, batch 1", lambda: serial(base, rewrites[: plan.rewrite_prompts], plan.rewrite_tokens),
+        lambda: serial(make_engine(plan.ngram_model, args.dtype, ngram), rewrites[: plan.rewrite_prompts],
+                       plan.rewrite_tokens))
+    raw["ngram_b16"] = compare(
+        f"prompt lookup, {plan.concurrent} concurrent",
+        lambda: concurrent(base, rewrites[: plan.concurrent], plan.rewrite_tokens),
+        lambda: concurrent(make_engine(plan.ngram_model, args.dtype, ngram), rewrites[: plan.concurrent],
+                           plan.rewrite_tokens))
+    del base
+    ratios: dict = {
+        "ngram_speedup_bs1": raw["ngram_bs1"]["plain"]["wall_s"] / raw["ngram_bs1"]["spec"]["wall_s"],
+        "spec_throughput_b16": raw["ngram_b16"]["spec"]["tokens_per_s"] / raw["ngram_b16"]["plain"]["tokens_per_s"],
+        "draft_speedup_bs1": None,
+    }
+    if not args.skip_draft:
+        draft = SpeculativeConfig(method="draft", draft_model=plan.draft, k=plan.k_draft)
+        target = make_engine(plan.target, args.dtype)
+        code = [chat(target, t) for t in CODE_TASKS[: plan.code_prompts]]
+        raw["draft_bs1"] = compare(
+            "draft model, batch 1", lambda: serial(target, code, plan.code_tokens),
+            lambda: serial(make_engine(plan.target, args.dtype, draft), code, plan.code_tokens))
+        ratios["draft_speedup_bs1"] = raw["draft_bs1"]["plain"]["wall_s"] / raw["draft_bs1"]["spec"]["wall_s"]
+    raw["acceptance"] = {
+        f"{phase}:{label}": {"acceptance_rate": raw[phase]["spec"]["acceptance_rate"],
+                             "accepted_per_step": raw[phase]["spec"]["accepted_per_step"]}
+        for phase, label in (("ngram_bs1", "ngram/rewrite"), ("ngram_b16", "ngram/rewrite-concurrent"),
+                             ("draft_bs1", "draft/code")) if phase in raw}
+    raw["total_seconds"] = time.perf_counter() - t_start
+    machine["load_average_end"] = C.load_average()
+    path = C.write_result(NAME + (".quick" if args.quick else ""), machine, ratios, TARGETS, raw, args.out_dir)
+    print(f"wrote {path}")
+    C.print_ratios(ratios, TARGETS, title=f"{NAME} ({raw['total_seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

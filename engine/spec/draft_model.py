@@ -1,0 +1,155 @@
+"""A smaller model with the target's vocabulary proposes tokens, each from its own distribution.
+
+The draft keeps, per request, a mirror Sequence in its own KV pool and prefix cache. Before
+proposing it syncs the mirror to the target's tokens: KV of tokens the target rejected is
+dropped (num_computed cut to the common prefix, tail blocks freed), then one pass computes
+the tokens it has not seen (all of the prompt the first time, e.g. on a decode worker that
+got the target's KV from a prefill worker) and proposes the first token; k - 1 one-token
+passes propose the rest. Its proposals are drawn from the same sampling parameters' filtered
+distribution as the target's (argmax for greedy requests), whose rows go to verification.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.block_pool import BlockPool
+from engine.model_runner import ModelRunner
+from engine.radix_cache import RadixCache
+from engine.sampler import Sampler, target_probs
+from engine.sampling import SamplingParams
+from engine.scheduler import ScheduledSeq
+from engine.sequence import Sequence
+from engine.spec.drafter import Proposal
+
+DRAFT_STREAM = 0x5EED_D4AF  # the draft's draws at a position, apart from the target's (Sampler.generator_for)
+
+
+class DraftModelDrafter:
+    def __init__(self, runner: ModelRunner, pool: BlockPool, cache: RadixCache | None, block_size: int,
+                 model_id: str, sampler: Sampler):
+        self.runner, self.pool, self.cache = runner, pool, cache
+        self.block_size, self.model_id, self.sampler = block_size, model_id, sampler
+        self.mirrors: dict[str, Sequence] = {}
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        props = [Proposal([]) for _ in seqs]
+        live = [(i, self._sync(seq, k)) for i, (seq, k) in enumerate(zip(seqs, ks)) if k]
+        live = [(i, m) for i, m in live if m is not None]
+        probs: dict[int, list[torch.Tensor]] = {i: [] for i, _ in live}
+        while live:
+            batch = [ScheduledSeq(m, m.num_tokens - m.num_computed) for _, m in live]
+            # Decodes first (the runner packs them first), then catch-ups by length (grouped).
+            batch.sort(key=lambda s: (s.num_new_tokens != 1, s.num_new_tokens))
+            order = {id(s.seq): j for j, s in enumerate(batch)}
+            logits = self.runner.run(batch)  # (B, V), rows in batch order
+            for s in batch:
+                s.seq.num_computed += s.num_new_tokens
+            rows = [order[id(m)] for _, m in live]
+            tokens, qs = self._draw(logits[rows], [seqs[i].params for i, _ in live],
+                                    [m.num_tokens - m.num_prompt_tokens for _, m in live])
+            nxt = []
+            for (i, m), token, q in zip(live, tokens, qs):
+                props[i].tokens.append(token)
+                if q is not None:
+                    probs[i].append(q)
+                m.token_ids.append(token)
+                if len(props[i].tokens) < ks[i]:
+                    nxt.append((i, m))
+            live = nxt
+        for i, qs in probs.items():
+            if qs:
+                props[i].probs = torch.stack(qs)  # (k, V)
+        return props
+
+    def _draw(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]):
+        """Proposal tokens from the draft's logits (N, V) at these output positions, and each one's
+        q (V,) (None for a greedy request: a point mass on the argmax)."""
+        tokens = logits.argmax(dim=-1).tolist()
+        qs: list[torch.Tensor | None] = [None] * len(params)
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled:
+            q = target_probs(logits[sampled], [params[i] for i in sampled])  # (S, V)
+            noise = torch.empty_like(q)
+            unseeded = [j for j, i in enumerate(sampled) if params[i].seed is None]
+            if unseeded:  # one draw for all: the shared generator's stream is per engine anyway
+                noise[unseeded] = torch.empty((len(unseeded), q.shape[1]), device=q.device).exponential_(
+                    generator=self.sampler.generator)
+            for j, i in enumerate(sampled):
+                if params[i].seed is not None:
+                    noise[j].exponential_(generator=self.sampler.generator_for(params[i], positions[i], DRAFT_STREAM))
+            picks = (q / noise).argmax(dim=-1).tolist()
+            for j, i in enumerate(sampled):
+                tokens[i], qs[i] = picks[j], q[j]
+        return tokens, qs
+
+    def _sync(self, seq: Sequence, k: int) -> Sequence | None:
+        """The request's mirror, matched to the target's tokens, with blocks for k proposals; None
+        (and nothing kept) when the draft pool has no room."""
+        m = self.mirrors.get(seq.request_id)
+        if m is None:
+            m = Sequence(seq.request_id, list(seq.prompt_token_ids), seq.params, seq.arrival,
+                         token_ids=list(seq.token_ids), cache_salt=seq.cache_salt)
+            self._match_prefix(m)
+            self.mirrors[seq.request_id] = m
+        else:
+            common = _common_prefix(m.token_ids, seq.token_ids)
+            m.token_ids = list(seq.token_ids)
+            # At most all but the last token: its logits give the first proposal (a step whose
+            # proposals the target never verified left the mirror ahead of the target's tokens).
+            m.num_computed = min(m.num_computed, common, m.num_tokens - 1)
+            self._trim(m, m.num_computed)
+            self._register(m)
+        # KV slots for the unseen tokens and all but the last proposal.
+        need = -(-(m.num_tokens + k - 1) // self.block_size) - len(m.block_table)
+        if need > 0:
+            if not self.pool.can_allocate(need):
+                self.release(seq.request_id)
+                return None
+            m.block_table += self.pool.allocate(need)
+        return m
+
+    def _trim(self, m: Sequence, num_tokens: int) -> None:
+        keep = max(-(-num_tokens // self.block_size), m.num_registered_blocks)  # cached blocks stay
+        if len(m.block_table) > keep:
+            self.pool.release(m.block_table[keep:])
+            del m.block_table[keep:]
+
+    def _match_prefix(self, m: Sequence) -> None:
+        if self.cache is None:
+            return
+        hashes = m.update_block_hashes(self.block_size, self.model_id)
+        hit = self.cache.match(hashes[: (m.num_tokens - 1) // self.block_size])  # the last token stays to compute
+        self.pool.ref(hit)
+        m.block_table, m.num_computed, m.num_registered_blocks = hit, len(hit) * self.block_size, len(hit)
+
+    def _register(self, m: Sequence) -> None:
+        """Offer the mirror's full, verified blocks to the draft's prefix cache (as Scheduler.register_blocks)."""
+        if self.cache is None:
+            return
+        full = m.num_computed // self.block_size
+        if full <= m.num_registered_blocks:
+            return
+        hashes = m.update_block_hashes(self.block_size, self.model_id)
+        for i in range(m.num_registered_blocks, full):
+            if i and self.cache.by_block.get(m.block_table[i - 1]) is not self.cache.by_hash.get(hashes[i - 1]):
+                break  # only extend our own cached chain
+            self.cache.insert(hashes[i - 1] if i else self.cache.root.hash, hashes[i], m.block_table[i])
+        m.num_registered_blocks = full
+
+    def release(self, request_id: str) -> None:
+        m = self.mirrors.pop(request_id, None)
+        if m is not None:
+            self.pool.release(m.block_table)
+            m.block_table = []
+
+    def stats(self) -> dict:
+        return {"draft_num_blocks": self.pool.num_blocks, "draft_free_blocks": self.pool.num_free,
+                "draft_referenced_blocks": self.pool.num_referenced, "draft_requests": len(self.mirrors)}
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

@@ -1,0 +1,53 @@
+"""Speculative decoding in a disaggregated cluster (real Ray, real gloo, the `tiny` preset).
+
+The prefill worker never speculates; the decode worker receives the target's KV and first
+token, and its draft model prefills the prompt itself on the request's first decode step (the
+draft's KV is not shipped). Greedy tokens must equal the plain single-process engine's, and
+both of the decode worker's pools (target and draft) must be whole afterwards.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from cluster_helpers import NUM_BLOCKS, PARAMS, PROMPTS, collect, pool_whole
+from support import wait_for
+
+from engine import CacheConfig, EngineConfig, LLMEngine
+
+pytestmark = pytest.mark.usefixtures("torch_single_thread")
+
+# The target drafting for itself: every greedy proposal is accepted, so accepted runs (and
+# their rollback at max_tokens) happen on every request.
+SPEC = {"method": "draft", "draft_model": "tiny", "k": 3}
+
+
+def draft_pool_whole(stats: dict) -> bool:
+    return ("draft_num_blocks" not in stats or
+            (stats["draft_free_blocks"] == stats["draft_num_blocks"] and stats["draft_referenced_blocks"] == 0
+             and stats["draft_requests"] == 0))
+
+
+@pytest.mark.timeout(300)
+def test_disaggregated_speculation_gives_the_engines_tokens(ray_cluster):
+    ids = list(range(0, len(PROMPTS), 2))
+    engine = LLMEngine(EngineConfig(model="tiny", dtype="float32", num_threads=1,
+                                    cache=CacheConfig(num_blocks=NUM_BLOCKS)))
+    want = [o.token_ids for o in engine.generate([PROMPTS[i] for i in ids], [PARAMS[i] for i in ids])]
+    cluster = ray_cluster(prefill=1, decode=1, engine={"cache": {"num_blocks": NUM_BLOCKS}, "speculative": SPEC})
+
+    async def main():
+        return await asyncio.gather(*(collect(cluster.router, f"spec-{i}", PROMPTS[i], PARAMS[i]) for i in ids))
+
+    results = asyncio.run(asyncio.wait_for(main(), 180))
+    for i, expected, (tokens, last) in zip(ids, want, results):
+        assert tokens == expected, f"request {i}"
+        assert (last.prefill_worker, last.decode_worker) == ("prefill-0", "decode-0")
+        assert last.finish_reason == "length" and last.usage.completion_tokens == PARAMS[i].max_tokens
+    assert sum(last.usage.spec_accepted_tokens for _, last in results) > 0
+
+    def whole():
+        stats = cluster.stats()
+        return stats if all(pool_whole(s) and draft_pool_whole(s) for s in stats.values()) else None
+    stats = wait_for(whole, 10, "every pool whole, the draft's too")
+    assert "draft_num_blocks" in stats["decode-0"] and "draft_num_blocks" not in stats["prefill-0"]
