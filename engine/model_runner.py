@@ -10,7 +10,6 @@ from engine.models.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from engine.models.varlen_attention import default_kernel, varlen_metadata
 from engine.scheduler import ScheduledSeq
 
-
 # Chunks of up to this many tokens that continue a sequence are attended like decodes, grouped by
 # length (one call per group): speculative verifications and a draft model catching up.
 MAX_GROUPED_QUERIES = 17

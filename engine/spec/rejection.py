@@ -66,7 +66,10 @@ def verify(logits: torch.Tensor, p: torch.Tensor | None, proposal: Proposal, par
     if a == k:
         residual = p[k]  # every proposal kept: the bonus token, from the target alone
     else:
-        q = proposal.probs[a] if proposal.probs is not None else torch.zeros_like(p[a]).index_fill_(0, idx[a:a + 1], 1.0)
+        if proposal.probs is not None:
+            q = proposal.probs[a]
+        else:  # prompt lookup: a point mass on its token
+            q = torch.zeros_like(p[a]).index_fill_(0, idx[a:a + 1], 1.0)
         residual = (p[a] - q).clamp_(min=0.0)
         if not float(residual.sum()) > 0.0:  # p == q up to rounding: nothing to correct
             residual = p[a]

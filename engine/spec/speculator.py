@@ -13,7 +13,6 @@ stop checks (stop strings, stop tokens, max_tokens landing inside the run).
 """
 from __future__ import annotations
 
-
 import torch
 
 from engine.block_pool import BlockPool
@@ -83,7 +82,7 @@ class Speculator:
             runs: list = verify_batch(logits, props, params, positions, self.sampler)
         except Exception:  # which request's parameters broke it? each alone says
             runs = []
-            for (s, rows), prop, p, pos in zip(items, props, params, positions):
+            for (_, rows), prop, p, pos in zip(items, props, params, positions):
                 try:
                     runs += verify_batch(rows, [prop], [p], [pos], self.sampler)
                 except Exception as exc:

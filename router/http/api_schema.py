@@ -77,6 +77,8 @@ def request_models(vocab_size: int, max_model_len: int, model_name: str | None =
             f"at most {MAX_STOP_TOTAL_CHARS} characters together"))] | None = None
         stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
         ignore_eos: bool | None = None
+        speculate: bool | None = Field(None, description=(
+            "false: never speculate, even on a server started with --speculative (default true)"))
         stream: bool | None = None
         stream_options: StreamOptions | None = None
         return_token_ids: bool | None = Field(None, description="also answer the generated token ids")

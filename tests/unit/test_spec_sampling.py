@@ -47,11 +47,11 @@ class Oracle:
     def __init__(self, path):
         self.engine = make_engine(path)
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019 - one oracle per test
+    @functools.cache  # noqa: B019 - one oracle per test
     def logits(self, context: tuple[int, ...]) -> torch.Tensor:
         return engine_prefill_logits(self.engine, list(context))
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019
+    @functools.cache  # noqa: B019
     def probs(self, context: tuple[int, ...]) -> torch.Tensor:
         return target_probs(self.logits(context)[None], [PARAMS])[0]
 
@@ -132,7 +132,7 @@ def test_point_mass_proposals_keep_the_distribution() -> None:
     params = SamplingParams(temperature=1.0)
     sampler = Sampler(torch.device("cpu"), seed=4)
     firsts, seconds = [], []
-    for i in range(N_SAMPLES):
+    for _ in range(N_SAMPLES):
         run = verify(rows, None, Proposal([1, 3]), params, 0, sampler)
         if len(run) == 1:  # rejected at once: the next step verifies a fresh proposal from row 1
             run += verify(rows[1:], None, Proposal([4]), params, 1, sampler)
