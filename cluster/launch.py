@@ -46,8 +46,10 @@ def start_ray(cfg: ClusterConfig) -> None:
     if is_loopback(cfg.host):
         _keep_ray_on_loopback()
     # Local: Ray's CPU counts are bookkeeping only; each worker sets its own torch threads.
-    # Twice the budget leaves room for workers added after start.
-    options = dict(num_cpus=int(2 * max(cpu_budget(cfg), 1)), include_dashboard=False, namespace=NAMESPACE,
+    # Twice the budget leaves room for workers added after start. address "local": a new Ray,
+    # never one that RAY_ADDRESS or an earlier `ray start` on this machine left behind.
+    options = dict(address="local", num_cpus=int(2 * max(cpu_budget(cfg), 1)), include_dashboard=False,
+                   namespace=NAMESPACE,
                    object_store_memory=OBJECT_STORE_BYTES, _node_ip_address=cfg.host,
                    resources=local_resources(cfg) or None, runtime_env={"env_vars": env})
     for attempt in (1, 2):
