@@ -113,8 +113,10 @@ def _prompt_token_ids(engine: LLMEngine, spec: PromptSpec, chat: bool) -> list[i
 
 
 def as_json(out: RequestOutput) -> dict:
-    return {"token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason,
-            "usage": dataclasses.asdict(out.usage)}
+    usage = dataclasses.asdict(out.usage)
+    if not out.usage.spec_steps:  # the speculative counters only when speculation ran
+        usage = {k: v for k, v in usage.items() if not k.startswith("spec_")}
+    return {"token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason, "usage": usage}
 
 
 def _summary(outputs: list[RequestOutput], elapsed: float) -> str:
