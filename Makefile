@@ -24,7 +24,7 @@ MODEL       ?= smollm2-135m
 # Files starting with `_` are helpers, not benchmarks.
 BENCHES := $(filter-out benchmarks/_%,$(wildcard benchmarks/*.py))
 
-.PHONY: venv dev system-deps test serve lint bench gpu-wheels proto clean distclean
+.PHONY: venv dev system-deps test test-extended serve lint bench gpu-wheels proto clean distclean
 
 venv: $(VENV)/.stamp-serve
 
@@ -73,6 +73,10 @@ system-deps:
 
 test: dev
 	$(RAY_ENV) $(PY) -m pytest $(PYTEST_ARGS)
+
+# The extended tier `make test` leaves out: multi-node Ray clusters, fuzzing, long chaos runs.
+test-extended: dev
+	$(RAY_ENV) $(PY) -m pytest -m extended $(PYTEST_ARGS)
 
 # The real cluster: local Ray, an embedded redis-server (hence system-deps), 1 prefill + 1 decode.
 serve: venv system-deps

@@ -19,7 +19,7 @@ PREFIX = "brigade"
 PROMPT = {"prompt": list(range(3, 67)), "max_tokens": 3, "temperature": 0}  # 4 blocks of 16
 RECOVERY_S = 180.0  # a new worker loads the model and pairs, on two shared cores
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.extended, pytest.mark.timeout(600)]
 
 
 def write_bad_leases(r: redis.Redis) -> None:

@@ -17,7 +17,7 @@ from cluster_helpers import collect
 
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 
-pytestmark = pytest.mark.usefixtures("torch_single_thread")
+pytestmark = [pytest.mark.usefixtures("torch_single_thread"), pytest.mark.extended]
 
 from support import FULL  # noqa: E402  (tests/ is on the path: tests/conftest.py)
 

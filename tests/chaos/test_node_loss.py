@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 from multinode_scenarios import node_loss, ratios
 
+pytestmark = pytest.mark.extended  # multi-node Ray: `make test-extended`, not `make test`
+
 
 @pytest.mark.timeout(1500)
 def test_a_lost_node_costs_no_request_and_its_worker_is_replaced_where_there_is_room(tmp_path, chaos_figure):

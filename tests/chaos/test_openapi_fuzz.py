@@ -26,7 +26,7 @@ CALL_TIMEOUT_S = 60.0
 FAILURE_MARKS = ("Traceback", "engine failed", "internal error", "EngineDied", "failed in")
 WORKERS = ("ray::PrefillActor", "ray::DecodeActor")
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600 * SCALE)]
+pytestmark = [pytest.mark.slow, pytest.mark.extended, pytest.mark.timeout(600 * SCALE)]
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ NUM_BLOCKS = READERS * (-(-(MAX_TOKENS + 3) // BLOCK_SIZE)) + 64
 RSS_GROWTH_LIMIT_MB = 100.0
 CI_RSS_GROWTH_LIMIT_MB = 20.0  # 8 readers: without the window the serve process would take ~45 MB
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.extended, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,8 @@ import pytest
 from ray_nodes import HEAD_IP, RayNodes
 from serve_process import Served, brigade_serve
 
+pytestmark = pytest.mark.extended  # multi-node Ray: `make test-extended`, not `make test`
+
 PREFILL_IP, DECODE_IP = "127.0.19.2", "127.0.19.3"
 PLACEMENT = {"placement": {"prefill": {"prefill": 1}, "decode": {"decode": 1}}, "transfer": {"host": "node"}}
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 1000, 64, 12, 8, 400, 33, 21, 77, 90, 1, 2, 3, 4]

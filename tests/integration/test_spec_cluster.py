@@ -15,7 +15,7 @@ from support import wait_for
 
 from engine import CacheConfig, EngineConfig, LLMEngine
 
-pytestmark = pytest.mark.usefixtures("torch_single_thread")
+pytestmark = [pytest.mark.usefixtures("torch_single_thread"), pytest.mark.extended]
 
 # The target drafting for itself: every greedy proposal is accepted, so accepted runs (and
 # their rollback at max_tokens) happen on every request.
