@@ -205,6 +205,7 @@ class _Seq:
 class _Step:
     def __init__(self, seq: _Seq, n: int):
         self.seq, self.num_new_tokens, self.samples = seq, n, True
+        self.num_draft = 0  # no speculative proposals (engine.scheduler.ScheduledSeq)
 
 
 def decode_speed(model: CausalLM, cfg: ModelConfig, plan: Plan, batch: int, kernel) -> dict:
