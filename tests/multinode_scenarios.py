@@ -19,6 +19,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
+from unittest.mock import patch
 
 from ray_nodes import HEAD_IP, RayNodes
 from serve_process import brigade_serve
@@ -85,54 +86,48 @@ def node_loss(tmp: Path, streams: int = 8, max_tokens: int = 160, rejoin: bool =
     prompts = [[rng.randrange(3, 4096) for _ in range(24)] for _ in range(streams)]
     expected = reference_tokens(prompts, max_tokens)
     nodes = RayNodes(tmp)
-    saved = {k: os.environ.get(k) for k in nodes.env}
-    os.environ.update(nodes.env)
-    try:
-        with ExitStack() as stack:
-            stack.callback(nodes.stop)
-            nodes.start_head()
-            nodes.add(NODE_B, {"prefill": 1, "decode": 1})
-            nodes.add(NODE_C, {"decode": 1})
-            config = tmp / "cluster.yaml"
-            config.write_text(json.dumps(PLACEMENT))
-            flags = ["--ray-address", nodes.address, "--host", HEAD_IP, "--http-port", "0", "--grpc-port", "0",
-                     "--config", str(config), "--num-blocks", "256", "--num-cpus", "2", "--prefill", "1",
-                     "--decode", "2"]
-            owner = stack.enter_context(brigade_serve(flags, tmp / "owner.log", timeout_s=600, env=nodes.env))
-            base = owner.http_base
-            assert nodes.node(NODE_C).actor_titles() == ["DecodeActor"], nodes.node(NODE_C).actor_titles()
-            nodes.add(NODE_D, {"decode": 1})  # room for a replacement, joining once serving
+    with patch.dict(os.environ, nodes.env), ExitStack() as stack:  # this process's Ray client uses the token too
+        stack.callback(nodes.stop)
+        nodes.start_head()
+        nodes.add(NODE_B, {"prefill": 1, "decode": 1})
+        nodes.add(NODE_C, {"decode": 1})
+        config = tmp / "cluster.yaml"
+        config.write_text(json.dumps(PLACEMENT))
+        flags = ["--ray-address", nodes.address, "--host", HEAD_IP, "--http-port", "0", "--grpc-port", "0",
+                 "--config", str(config), "--num-blocks", "256", "--num-cpus", "2", "--prefill", "1",
+                 "--decode", "2"]
+        owner = stack.enter_context(brigade_serve(flags, tmp / "owner.log", timeout_s=600, env=nodes.env))
+        base = owner.http_base
+        assert nodes.node(NODE_C).actor_titles() == ["DecodeActor"], nodes.node(NODE_C).actor_titles()
+        nodes.add(NODE_D, {"decode": 1})  # room for a replacement, joining once serving
 
-            with ThreadPoolExecutor(streams + 1) as pool:  # one more for the probe of serving again
-                running = [pool.submit(_outcome, base, p, max_tokens, e) for p, e in zip(prompts, expected)]
-                time.sleep(2.0)  # every request is decoding
-                killed_at = nodes.node(NODE_C).kill()
-                # A new request from the moment of the loss on, until one is answered in full.
-                serving = pool.submit(_wait, lambda: _outcome(base, prompts[0], 4, expected[0][:4]) == "identical",
-                                      120, 0.2)
-                ejected = _wait(lambda: health(base)["workers"]["decode"] == 1, 60, 0.05)
-                replaced = _wait(lambda: health(base)["workers"]["decode"] == 2, 300, 0.5)
-                outcomes = [f.result(HUNG_S + 60) for f in running]
-                served = serving.result(180)
-            since = lambda t: None if t is None else round(t - killed_at, 2)  # noqa: E731
-            eject_s, replaced_s, serving_s = since(ejected), since(replaced), since(served)
-            on_d = nodes.node(NODE_D).actor_titles()
-            figures = {"streams": streams, "outcomes": outcomes, "eject_s": eject_s, "replaced_s": replaced_s,
-                       "serving_again_s": serving_s, "replacement_on_spare": on_d == ["DecodeActor"]}
-            if rejoin:
-                nodes.restart(NODE_C)
-                nodes.node(NODE_D).kill()
-                lost_d = time.monotonic()
-                back = _wait(
-                    lambda: nodes.node(NODE_C).actor_titles() == ["DecodeActor"]
-                    and health(base)["workers"]["decode"] == 2, 300, 0.5)
-                figures["rejoined_replaced_s"] = None if back is None else round(back - lost_d, 2)
-                figures["rejoined_node_used"] = nodes.node(NODE_C).actor_titles() == ["DecodeActor"]
-                figures["after_rejoin"] = _outcome(base, prompts[1], 16, expected[1][:16])
-            return figures
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        with ThreadPoolExecutor(streams + 1) as pool:  # one more for the probe of serving again
+            running = [pool.submit(_outcome, base, p, max_tokens, e) for p, e in zip(prompts, expected)]
+            time.sleep(2.0)  # every request is decoding
+            killed_at = nodes.node(NODE_C).kill()
+            # A new request from the moment of the loss on, until one is answered in full.
+            serving = pool.submit(_wait, lambda: _outcome(base, prompts[0], 4, expected[0][:4]) == "identical",
+                                  120, 0.2)
+            ejected = _wait(lambda: health(base)["workers"]["decode"] == 1, 60, 0.05)
+            replaced = _wait(lambda: health(base)["workers"]["decode"] == 2, 300, 0.5)
+            outcomes = [f.result(HUNG_S + 60) for f in running]
+            served = serving.result(180)
+        since = lambda t: None if t is None else round(t - killed_at, 2)  # noqa: E731
+        eject_s, replaced_s, serving_s = since(ejected), since(replaced), since(served)
+        on_d = nodes.node(NODE_D).actor_titles()
+        figures = {"streams": streams, "outcomes": outcomes, "eject_s": eject_s, "replaced_s": replaced_s,
+                   "serving_again_s": serving_s, "replacement_on_spare": on_d == ["DecodeActor"]}
+        if rejoin:
+            nodes.restart(NODE_C)
+            nodes.node(NODE_D).kill()
+            lost_d = time.monotonic()
+            back = _wait(
+                lambda: nodes.node(NODE_C).actor_titles() == ["DecodeActor"]
+                and health(base)["workers"]["decode"] == 2, 300, 0.5)
+            figures["rejoined_replaced_s"] = None if back is None else round(back - lost_d, 2)
+            figures["rejoined_node_used"] = nodes.node(NODE_C).actor_titles() == ["DecodeActor"]
+            figures["after_rejoin"] = _outcome(base, prompts[1], 16, expected[1][:16])
+        return figures
 
 
 def ratios(figures: dict) -> dict:
@@ -174,27 +169,21 @@ def two_fronts(tmp: Path, groups: int = 8, per_group: int = 6, concurrency: int 
     from cluster.redis_server import EmbeddedRedis
 
     nodes = RayNodes(tmp)
-    saved = {k: os.environ.get(k) for k in nodes.env}
-    os.environ.update(nodes.env)
-    try:
-        with ExitStack() as stack:
-            stack.callback(nodes.stop)
-            redis = stack.enter_context(EmbeddedRedis())
-            nodes.start_head()
-            nodes.add(NODE_B, {"prefill": 2})
-            nodes.add(NODE_C, {"decode": 1})
-            config = tmp / "cluster.yaml"
-            config.write_text(json.dumps(PLACEMENT))
-            common = ["--ray-address", nodes.address, "--http-port", "0", "--grpc-port", "0", "--redis-url", redis.url]
-            owner = stack.enter_context(brigade_serve(
-                [*common, "--host", HEAD_IP, "--config", str(config), "--num-blocks", "512", "--num-cpus", "2",
-                 "--prefill", "2", "--decode", "1"], tmp / "owner.log", timeout_s=600, env=nodes.env))
-            front = stack.enter_context(brigade_serve([*common, "--host", NODE_B, "--front-only"], tmp / "front.log",
-                                                      timeout_s=600, env=nodes.env))
-            run = dict(groups=groups, per_group=per_group, concurrency=concurrency, max_tokens=max_tokens)
-            one = _shared_prefix_run([owner.http_base], 1, **run)
-            two = _shared_prefix_run([owner.http_base, front.http_base], 2, **run)
-            return {"one_front": one, "two_fronts": two}
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    with patch.dict(os.environ, nodes.env), ExitStack() as stack:  # this process's Ray client uses the token too
+        stack.callback(nodes.stop)
+        redis = stack.enter_context(EmbeddedRedis())
+        nodes.start_head()
+        nodes.add(NODE_B, {"prefill": 2})
+        nodes.add(NODE_C, {"decode": 1})
+        config = tmp / "cluster.yaml"
+        config.write_text(json.dumps(PLACEMENT))
+        common = ["--ray-address", nodes.address, "--http-port", "0", "--grpc-port", "0", "--redis-url", redis.url]
+        owner = stack.enter_context(brigade_serve(
+            [*common, "--host", HEAD_IP, "--config", str(config), "--num-blocks", "512", "--num-cpus", "2",
+             "--prefill", "2", "--decode", "1"], tmp / "owner.log", timeout_s=600, env=nodes.env))
+        front = stack.enter_context(brigade_serve([*common, "--host", NODE_B, "--front-only"], tmp / "front.log",
+                                                  timeout_s=600, env=nodes.env))
+        run = dict(groups=groups, per_group=per_group, concurrency=concurrency, max_tokens=max_tokens)
+        one = _shared_prefix_run([owner.http_base], 1, **run)
+        two = _shared_prefix_run([owner.http_base, front.http_base], 2, **run)
+        return {"one_front": one, "two_fronts": two}
