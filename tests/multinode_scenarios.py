@@ -12,14 +12,12 @@ lost: the next replacement lands on C.
 from __future__ import annotations
 
 import json
-import os
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
-from unittest.mock import patch
 
 from ray_nodes import HEAD_IP, RayNodes
 from serve_process import brigade_serve
@@ -86,7 +84,7 @@ def node_loss(tmp: Path, streams: int = 8, max_tokens: int = 160, rejoin: bool =
     prompts = [[rng.randrange(3, 4096) for _ in range(24)] for _ in range(streams)]
     expected = reference_tokens(prompts, max_tokens)
     nodes = RayNodes(tmp)
-    with patch.dict(os.environ, nodes.env), ExitStack() as stack:  # this process's Ray client uses the token too
+    with nodes.client(), ExitStack() as stack:  # this process's Ray client uses the token too
         stack.callback(nodes.stop)
         nodes.start_head()
         nodes.add(NODE_B, {"prefill": 1, "decode": 1})
@@ -169,7 +167,7 @@ def two_fronts(tmp: Path, groups: int = 8, per_group: int = 6, concurrency: int 
     from cluster.redis_server import EmbeddedRedis
 
     nodes = RayNodes(tmp)
-    with patch.dict(os.environ, nodes.env), ExitStack() as stack:  # this process's Ray client uses the token too
+    with nodes.client(), ExitStack() as stack:  # this process's Ray client uses the token too
         stack.callback(nodes.stop)
         redis = stack.enter_context(EmbeddedRedis())
         nodes.start_head()

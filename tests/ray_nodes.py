@@ -24,8 +24,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from unittest.mock import patch
 
 import psutil
 
@@ -125,6 +127,22 @@ class RayNodes:
     def env(self) -> dict[str, str]:
         """What every process of the cluster (nodes, drivers) needs: token auth on, its token."""
         return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token, "RAY_USAGE_STATS_ENABLED": "0"}
+
+    @contextlib.contextmanager
+    def client(self) -> Iterator[None]:
+        """This process as a client of the cluster (GcsClient, ray.init): its token env, and Ray's
+        per-process auth state reloaded from it on the way in and out. Ray reads RAY_AUTH_MODE
+        into RayConfig and caches the token once per process, so after a local Ray with auth
+        disabled earlier in the same pytest process (every ray_cluster module) this process would
+        otherwise call the cluster without a token and every call would be refused."""
+        from ray._private.authentication_test_utils import reset_auth_token_state
+
+        try:
+            with patch.dict(os.environ, self.env):
+                reset_auth_token_state()
+                yield
+        finally:
+            reset_auth_token_state()  # back to this process's own env (a local Ray's, auth disabled)
 
     def start_head(self, resources: dict[str, float] | None = None, num_cpus: int = 0) -> RayNode:
         self.gcs_port = free_port(HEAD_IP)

@@ -18,7 +18,6 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from unittest.mock import patch
 
 import psutil
 import pytest
@@ -35,7 +34,7 @@ PROMPT = [5, 17, 42, 99, 7, 3, 250, 1000, 64, 12, 8, 400, 33, 21, 77, 90, 1, 2, 
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayNodes]:
     cluster = RayNodes(tmp_path_factory.mktemp("ray-nodes"))
-    with patch.dict(os.environ, cluster.env):  # this process's Ray client (ray.init below) uses the token too
+    with cluster.client():  # this process's Ray client (ray.init below) uses the token too
         try:
             cluster.start_head()  # no CPUs: no worker is placed on the head, only the fronts' routers
             cluster.add(PREFILL_IP, {"prefill": 2})
