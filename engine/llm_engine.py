@@ -3,7 +3,9 @@
 Roles (engine.config.Role): a mixed engine runs requests start to finish. A prefill
 engine stops each request after its first token and holds its KV blocks until
 export_kv()/release(). A decode engine takes requests with their KV via reserve() +
-write_kv() + admit() (or import_kv() for all three) and continues them.
+write_kv() + admit() (or import_kv() for all three) and continues them. With a draft model and
+speculative.draft_kv "ship", the draft's prompt KV goes along: export_kv() computes it, and
+reserve_draft() + write_draft_kv() + admit(draft_kv=True) take it in.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from engine.sampler import token_logprobs
 from engine.sampling import InvalidRequest, SamplingParams, TokenLogprobs
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence, SequenceStatus
-from engine.spec import build_speculator
+from engine.spec import build_draft_kv, build_speculator
 from engine.tokenizer import IncrementalDetokenizer, prompt_token_ids
 
 Prompt = str | Seq[int]
@@ -42,6 +44,8 @@ class LLMEngine:
         self.hicache = p.hicache  # host/disk tiers under the device pool, or None
         # Speculative decoding (engine.spec), or None when off.
         self.speculator = build_speculator(config, self.model_config, self.pool, self.sampler, self.max_model_len)
+        # The draft model whose prompt KV travels with the target's (engine.spec.build_draft_kv), or None.
+        self.draft_kv = build_draft_kv(config, self.model_config, self.pool, self.sampler, self.speculator)
         self.block_size = config.cache.block_size
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -109,6 +113,8 @@ class LLMEngine:
         """Stop a request wherever it is and free its blocks. None if unknown or done."""
         if request_id in self.reservations:
             self.pool.release(self.reservations.pop(request_id))
+        if self.draft_kv is not None:
+            self.draft_kv.release(request_id)  # a draft reservation (a running request's mirror goes below too)
         seq = self.prefilled.pop(request_id, None)
         if seq is not None:
             self.pool.release(seq.block_table)
@@ -309,12 +315,14 @@ class LLMEngine:
 
     # -- disaggregation: prefill side --------------------------------------------
     def export_kv(self, request_id: str, release: bool = True) -> KVExport:
-        """Copy a prefilled request's KV blocks out; by default free them here too."""
+        """Copy a prefilled request's KV blocks out; by default free them here too. With draft
+        KV to ship, the draft model computes the same tokens' KV now and it goes along."""
         seq = self.prefilled[request_id]
         blocks = seq.block_table[: -(-seq.num_computed // self.block_size)]
         kv = self.runner.read_blocks(blocks)  # (2, L, nb, bs, Hkv, hd), a copy
+        draft = self.draft_kv.export_prompt(seq, seq.num_computed) if self.draft_kv is not None else None
         out = KVExport(request_id, seq.prompt_token_ids, seq.token_ids[-1], seq.num_computed, kv, blocks,
-                       seq.num_cached_tokens or 0, seq.logprobs[-1] if seq.logprobs else None)
+                       seq.num_cached_tokens or 0, seq.logprobs[-1] if seq.logprobs else None, draft)
         if release:
             self.release(request_id)
         return out
@@ -336,21 +344,34 @@ class LLMEngine:
     def write_kv(self, block_ids: list[int], kv: torch.Tensor) -> None:
         self.runner.write_blocks(block_ids, kv)
 
+    def reserve_draft(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Draft-model blocks for an incoming request's draft KV (next to reserve()'s); None when
+        no draft KV is taken here (speculative.draft_kv is not "ship") or the draft's pool is full."""
+        return self.draft_kv.reserve(request_id, num_tokens) if self.draft_kv is not None else None
+
+    def write_draft_kv(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        self.draft_kv.write(block_ids, kv)
+
     def admit(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
               params: SamplingParams, cached_tokens: int = 0,
-              first_logprobs: TokenLogprobs | None = None, cache_salt: str | None = None) -> None:
+              first_logprobs: TokenLogprobs | None = None, cache_salt: str | None = None,
+              draft_kv: bool = False) -> None:
         """Continue a prefilled request whose KV is already in its reserved blocks.
 
-        A request the first token already finishes (EOS, max_tokens=1) is reported by the
-        next step() and its blocks are freed; a refused one frees its reservation. The request
-        was checked where it was built (a door, or import_kv): only whether its whole output
-        fits this engine's pool is checked here.
+        `draft_kv`: its reserved draft blocks hold the draft's KV of the prompt too (else they are
+        freed and the draft computes the prompt on the first decode step). A request the first
+        token already finishes (EOS, max_tokens=1) is reported by the next step() and its blocks
+        are freed; a refused one frees its reservation. The request was checked where it was
+        built (a door, or import_kv): only whether its whole output fits this engine's pool is
+        checked here.
         """
         try:
             check_fits(prompt_token_ids, params, block_size=self.block_size, num_blocks=self.pool.num_blocks,
                        vocab_size=self.model_config.vocab_size)
         except InvalidRequest:
             self.pool.release(self.reservations.pop(request_id, []))
+            if self.draft_kv is not None:
+                self.draft_kv.release(request_id)
             raise
         seq = Sequence(request_id, list(prompt_token_ids), params, next(self._arrivals),
                        token_ids=list(prompt_token_ids) + [first_token_id],
@@ -358,6 +379,11 @@ class LLMEngine:
                        num_cached_tokens=cached_tokens, status=SequenceStatus.WAITING, cache_salt=cache_salt)
         if first_logprobs is not None:
             seq.logprobs.append(first_logprobs)
+        if self.draft_kv is not None:
+            if draft_kv:
+                self.draft_kv.adopt(seq, len(prompt_token_ids))
+            else:
+                self.draft_kv.release(request_id)
         self.scheduler.register_blocks(seq)
         self._track(seq, [first_token_id])
         reason = self._stop_reason(seq, first_token_id, self.detoks[request_id])
@@ -373,8 +399,11 @@ class LLMEngine:
         self.validate(export.prompt_token_ids, params)
         blocks = self.reserve(export.request_id, export.num_tokens)
         self.write_kv(blocks, export.kv)
+        draft_blocks = self.reserve_draft(export.request_id, export.num_tokens) if export.draft_kv is not None else None
+        if draft_blocks is not None:
+            self.write_draft_kv(draft_blocks, export.draft_kv)
         self.admit(export.request_id, export.prompt_token_ids, export.first_token_id, params,
-                   export.cached_tokens, export.first_logprobs)
+                   export.cached_tokens, export.first_logprobs, draft_kv=draft_blocks is not None)
 
     # -- introspection ----------------------------------------------------------
     def take_cache_events(self) -> list[CacheEvent]:
@@ -392,6 +421,7 @@ class LLMEngine:
             "prefix_hit_rate": cs.hit_rate, "evicted_blocks": cs.evicted_blocks,
             **({"hicache": self.hicache.snapshot()} if self.hicache is not None else {}),
             **(self.speculator.stats() if self.speculator is not None else {}),
+            **(self.draft_kv.stats() if self.draft_kv is not None and self.speculator is None else {}),
         }
 
     def close(self) -> None:
