@@ -51,6 +51,13 @@ class HeadShard:
         return cls(1, 0, 0, num_kv_heads)
 
 
+def draft_layout(engine) -> KVLayout | None:
+    """The layout of an engine's draft model whose prompt KV travels with the target's
+    (engine.LLMEngine.draft_kv), or None when none does."""
+    draft = engine.draft_kv
+    return None if draft is None else KVLayout.from_kv_cache(draft.model_id, draft.runner.kv_cache)
+
+
 def make_header(request_id: str, kv: torch.Tensor, num_tokens: int, layout: KVLayout, shard: HeadShard,
                 checksum: tuple[ChecksumAlgo, int], draft: DraftSection | None = None) -> TransferHeader:
     """The header for sending `kv` (2, L, nb, bs, head_count, hd), and the draft's KV when `draft`

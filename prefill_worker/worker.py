@@ -1,7 +1,9 @@
 """A prefill worker: an engine in prefill role whose requests end at their first token.
 
 Each request's KV is copied out of the pool when its first token exists and held until the
-chosen decode worker pulls it (`push`), which sends it over that decode worker's channel. Plain
+chosen decode worker pulls it (`push`), which sends it over that decode worker's channel. With
+speculative.draft_kv "ship" the engine's draft model computes the prompt's draft KV at the same
+moment, and it goes over the same channel with the target's (kv_transfer.channel). Plain
 class over engine.worker_base.EngineWorker (engine, loop, publisher, health): the Ray actor in
 actor.py only adapts its futures to asyncio.
 """
@@ -15,6 +17,7 @@ from engine import EngineConfig, KVExport, RequestOutput, Role
 from engine.messages import Aborted, GenerateRequest, PrefillResult
 from engine.worker_base import EngineWorker, PublisherFactory
 from kv_transfer import KVLayout, KVTransferError, SenderChannel, TransferConfig, connect
+from kv_transfer.layout import draft_layout
 from kv_transfer.leases import LeaseSweeper
 from kv_transfer.reshard import ShardedSender, connect_group
 
@@ -28,6 +31,7 @@ class PrefillWorker(EngineWorker):
         super().__init__(worker_id, engine_cfg.model_copy(update={"role": Role.PREFILL}), publisher)
         self.layout = KVLayout.of_model(self.engine.model_id, self.engine.runner.kv_cache,
                                         self.engine.model_config.num_kv_heads)
+        self.draft_layout = draft_layout(self.engine)
         self.transfer_cfg = transfer_cfg
         self.channels: dict[str, SenderChannel | ShardedSender] = {}
         # One thread per channel: sends leave in the order decode workers pulled them.
@@ -50,6 +54,7 @@ class PrefillWorker(EngineWorker):
             self.channels[decode_id] = connect_group(address, self.layout, self.transfer_cfg, self.worker_id)
         else:
             self.channels[decode_id] = connect(address, self.layout, self.transfer_cfg, name=self.worker_id)
+            self.channels[decode_id].draft_layout = self.draft_layout
         self.senders[decode_id] = ThreadPoolExecutor(1, thread_name_prefix=f"{self.worker_id}-to-{decode_id}")
 
     def disconnect(self, decode_id: str) -> None:
@@ -118,7 +123,7 @@ class PrefillWorker(EngineWorker):
 
         def send() -> None:
             try:
-                channel.send(export.request_id, export.kv, export.num_tokens)
+                channel.send(export.request_id, export.kv, export.num_tokens, draft_kv=export.draft_kv)
             except KVTransferError as exc:  # the receiving side sees it too and recovers
                 log.warning("sending KV of %s to %s failed: %s", request_id, decode_id, exc)
 
@@ -134,9 +139,12 @@ class PrefillWorker(EngineWorker):
         if pending is not None and not pending.done():
             pending.set_exception(Aborted(f"request {request_id!r} was aborted during prefill"))
 
-    def corrupt_next_payload(self, decode_id: str) -> None:
-        """Test hook: flip one byte of the next payload sent to `decode_id`."""
-        self.channels[decode_id].corrupt_next_payload = True
+    def corrupt_next_payload(self, decode_id: str, draft: bool = False) -> None:
+        """Test hook: flip one byte of the next payload sent to `decode_id` (the draft's KV when `draft`)."""
+        if draft:
+            self.channels[decode_id].corrupt_next_draft_payload = True
+        else:
+            self.channels[decode_id].corrupt_next_payload = True
 
     def broken_pairs(self) -> list[str]:
         return sorted(peer for peer, ch in list(self.channels.items()) if ch.broken)
@@ -152,3 +160,4 @@ class PrefillWorker(EngineWorker):
         for decode_id in list(self.channels):
             self.disconnect(decode_id)
         self.close_engine()
+

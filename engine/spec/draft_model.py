@@ -38,6 +38,7 @@ class DraftModelDrafter:
         self.chunk_tokens = chunk_tokens  # export_prompt's pass size: the step budget bounds its activations
         self.mirrors: dict[str, Sequence] = {}
         self.reserved: dict[str, list[int]] = {}  # decode role: blocks an incoming draft KV goes into
+        self.computed_tokens = 0  # tokens the draft model ran, prompts and proposals (stats)
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         props = [Proposal([]) for _ in seqs]
@@ -50,6 +51,7 @@ class DraftModelDrafter:
             batch.sort(key=lambda s: (s.num_new_tokens != 1, s.num_new_tokens))
             order = {id(s.seq): j for j, s in enumerate(batch)}
             logits = self.runner.run(batch)  # (B, V), rows in batch order
+            self.computed_tokens += sum(s.num_new_tokens for s in batch)
             for s in batch:
                 s.seq.num_computed += s.num_new_tokens
             rows = [order[id(m)] for _, m in live]
@@ -161,6 +163,7 @@ class DraftModelDrafter:
             n = min(m.num_tokens - m.num_computed, self.chunk_tokens)
             self.runner.run([ScheduledSeq(m, n)])
             m.num_computed += n
+            self.computed_tokens += n
         self._register(m)
         kv = self.runner.read_blocks(m.block_table)
         self.pool.release(m.block_table)
@@ -204,7 +207,7 @@ class DraftModelDrafter:
     def stats(self) -> dict:
         return {"draft_num_blocks": self.pool.num_blocks, "draft_free_blocks": self.pool.num_free,
                 "draft_referenced_blocks": self.pool.num_referenced,
-                "draft_requests": len(self.mirrors) + len(self.reserved)}
+                "draft_requests": len(self.mirrors) + len(self.reserved), "draft_computed_tokens": self.computed_tokens}
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
