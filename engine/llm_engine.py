@@ -3,9 +3,8 @@
 Roles (engine.config.Role): a mixed engine runs requests start to finish. A prefill
 engine stops each request after its first token and holds its KV blocks until
 export_kv()/release(). A decode engine takes requests with their KV via reserve() +
-write_kv() + admit() (or import_kv() for all three) and continues them. With a draft model and
-speculative.draft_kv "ship", the draft's prompt KV goes along: export_kv() computes it, and
-reserve_draft() + write_draft_kv() + admit(draft_kv=True) take it in.
+write_kv() + admit() (or import_kv() for all three) and continues them; with speculative.draft_kv
+"ship" the draft's prompt KV goes along (export_kv; reserve_draft, write_draft_kv, admit).
 """
 from __future__ import annotations
 
@@ -44,8 +43,8 @@ class LLMEngine:
         self.hicache = p.hicache  # host/disk tiers under the device pool, or None
         # Speculative decoding (engine.spec), or None when off.
         self.speculator = build_speculator(config, self.model_config, self.pool, self.sampler, self.max_model_len)
-        # The draft model whose prompt KV travels with the target's (engine.spec.build_draft_kv), or None.
-        self.draft_kv = build_draft_kv(config, self.model_config, self.pool, self.sampler, self.speculator)
+        self.draft_kv = build_draft_kv(  # the draft whose prompt KV travels with the target's, or None
+            config, self.model_config, self.pool, self.sampler, self.speculator)
         self.block_size = config.cache.block_size
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -54,6 +53,7 @@ class LLMEngine:
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self.prefilled: dict[str, Sequence] = {}
         self.reservations: dict[str, list[int]] = {}
+        self.draft_pending: dict[str, Sequence] = {}  # exported, their draft KV still to compute
         self._arrivals = itertools.count()
         self._pending: list[RequestOutput] = []  # finished outside step(), reported by the next step()
 
@@ -115,6 +115,7 @@ class LLMEngine:
             self.pool.release(self.reservations.pop(request_id))
         if self.draft_kv is not None:
             self.draft_kv.release(request_id)  # a draft reservation (a running request's mirror goes below too)
+            self.draft_pending.pop(request_id, None)
         seq = self.prefilled.pop(request_id, None)
         if seq is not None:
             self.pool.release(seq.block_table)
@@ -314,18 +315,25 @@ class LLMEngine:
         return [done[r] for r in ids]
 
     # -- disaggregation: prefill side --------------------------------------------
-    def export_kv(self, request_id: str, release: bool = True) -> KVExport:
-        """Copy a prefilled request's KV blocks out; by default free them here too. With draft
-        KV to ship, the draft model computes the same tokens' KV now and it goes along."""
+    def export_kv(self, request_id: str, release: bool = True, draft: bool = True) -> KVExport:
+        """Copy a prefilled request's KV blocks out; by default free them here too. The draft's KV
+        (when shipped) is computed now too, or with `draft` False later, by export_draft_kv."""
         seq = self.prefilled[request_id]
         blocks = seq.block_table[: -(-seq.num_computed // self.block_size)]
         kv = self.runner.read_blocks(blocks)  # (2, L, nb, bs, Hkv, hd), a copy
-        draft = self.draft_kv.export_prompt(seq, seq.num_computed) if self.draft_kv is not None else None
+        draft_kv = self.draft_kv.export_prompt(seq, seq.num_computed) if self.draft_kv and draft else None
+        if self.draft_kv is not None and not draft:
+            self.draft_pending[request_id] = seq  # only its tokens are read, after its blocks went back
         out = KVExport(request_id, seq.prompt_token_ids, seq.token_ids[-1], seq.num_computed, kv, blocks,
-                       seq.num_cached_tokens or 0, seq.logprobs[-1] if seq.logprobs else None, draft)
+                       seq.num_cached_tokens or 0, seq.logprobs[-1] if seq.logprobs else None, draft_kv)
         if release:
             self.release(request_id)
         return out
+
+    def export_draft_kv(self, request_id: str) -> torch.Tensor | None:
+        """The draft's KV of a request exported with draft=False (None: aborted since, or no room)."""
+        seq = self.draft_pending.pop(request_id, None)
+        return self.draft_kv.export_prompt(seq, seq.num_computed) if seq is not None else None
 
     def release(self, request_id: str) -> None:
         seq = self.prefilled.pop(request_id)
@@ -345,8 +353,7 @@ class LLMEngine:
         self.runner.write_blocks(block_ids, kv)
 
     def reserve_draft(self, request_id: str, num_tokens: int) -> list[int] | None:
-        """Draft-model blocks for an incoming request's draft KV (next to reserve()'s); None when
-        no draft KV is taken here (speculative.draft_kv is not "ship") or the draft's pool is full."""
+        """Draft blocks for an incoming draft KV; None: none taken here (not "ship"), or no room."""
         return self.draft_kv.reserve(request_id, num_tokens) if self.draft_kv is not None else None
 
     def write_draft_kv(self, block_ids: list[int], kv: torch.Tensor) -> None:
@@ -358,12 +365,11 @@ class LLMEngine:
               draft_kv: bool = False) -> None:
         """Continue a prefilled request whose KV is already in its reserved blocks.
 
-        `draft_kv`: its reserved draft blocks hold the draft's KV of the prompt too (else they are
-        freed and the draft computes the prompt on the first decode step). A request the first
-        token already finishes (EOS, max_tokens=1) is reported by the next step() and its blocks
-        are freed; a refused one frees its reservation. The request was checked where it was
-        built (a door, or import_kv): only whether its whole output fits this engine's pool is
-        checked here.
+        `draft_kv`: its reserved draft blocks hold the draft's prompt KV too (else they are freed).
+        A request the first token already finishes (EOS, max_tokens=1) is reported by the next
+        step() and its blocks are freed; a refused one frees its reservation. The request was
+        checked where it was built (a door, or import_kv): only whether its whole output fits
+        this engine's pool is checked here.
         """
         try:
             check_fits(prompt_token_ids, params, block_size=self.block_size, num_blocks=self.pool.num_blocks,
@@ -379,11 +385,10 @@ class LLMEngine:
                        num_cached_tokens=cached_tokens, status=SequenceStatus.WAITING, cache_salt=cache_salt)
         if first_logprobs is not None:
             seq.logprobs.append(first_logprobs)
-        if self.draft_kv is not None:
-            if draft_kv:
-                self.draft_kv.adopt(seq, len(prompt_token_ids))
-            else:
-                self.draft_kv.release(request_id)
+        if self.draft_kv is not None and draft_kv:
+            self.draft_kv.adopt(seq, len(prompt_token_ids))
+        elif self.draft_kv is not None:
+            self.draft_kv.release(request_id)
         self.scheduler.register_blocks(seq)
         self._track(seq, [first_token_id])
         reason = self._stop_reason(seq, first_token_id, self.detoks[request_id])

@@ -38,6 +38,7 @@ class PrefillWorker(EngineWorker):
         self.senders: dict[str, ThreadPoolExecutor] = {}
         # Prefilled requests' KV, copied out of the pool, until their decode worker pulls it.
         self.exports: dict[str, KVExport] = {}
+        self.draft_exports: dict[str, Future] = {}  # their draft model's KV, when shipped: computed a turn later
         self.exported_at: dict[str, float] = {}
         # Prefills not yet answered: abort() must answer them, as the engine then reports nothing.
         self.pending: dict[str, Future[PrefillResult]] = {}
@@ -71,6 +72,7 @@ class PrefillWorker(EngineWorker):
         stale = [rid for rid, t in list(self.exported_at.items()) if t < deadline]
         for rid in stale:  # pop, not del: push() on a sender thread may take it meanwhile
             self.exports.pop(rid, None)
+            self.draft_exports.pop(rid, None)
             self.exported_at.pop(rid, None)
             log.warning("dropped the KV of %s: no decode worker pulled it", rid)
         return stale
@@ -89,13 +91,18 @@ class PrefillWorker(EngineWorker):
                 return
             if result.done():  # aborted before the engine had it (abort raced add_request): answered already
                 if out.kv_ready:
-                    self.engine.export_kv(req.request_id)  # hands its blocks back; nobody will pull it
+                    self.engine.release(req.request_id)  # hands its blocks back; nobody will pull it
                 return
             if out.kv_ready:
                 # Copy the KV out now, in the same loop turn: a later pull then waits for no
                 # engine step, and the blocks go back to the pool (full ones stay cached).
-                self.exports[req.request_id] = self.engine.export_kv(req.request_id)
+                self.exports[req.request_id] = self.engine.export_kv(req.request_id, draft=False)
                 self.exported_at[req.request_id] = time.monotonic()
+                if self.engine.draft_kv is not None:
+                    # The draft's KV in the loop's next turn: the first token is answered first, and
+                    # the push waits for this (the decode worker is still being asked to pull).
+                    rid = req.request_id
+                    self.draft_exports[rid] = self.loop.call(lambda engine: engine.export_draft_kv(rid))
             result.set_result(PrefillResult(
                 req.request_id, out.new_token_ids[0], out.new_text, out.finished, out.finish_reason, out.usage,
                 out.logprobs[-1] if out.logprobs else None, queue_s=0.0, prefill_s=time.monotonic() - start))
@@ -118,12 +125,19 @@ class PrefillWorker(EngineWorker):
             return False
         export = self.exports.pop(request_id, None)
         self.exported_at.pop(request_id, None)
+        draft = self.draft_exports.pop(request_id, None)
         if export is None:
             return False
 
         def send() -> None:
+            draft_kv = export.draft_kv
+            if draft is not None:
+                try:
+                    draft_kv = draft.result(timeout=self.transfer_cfg.timeout_s)
+                except Exception as exc:  # the target's KV still goes; the decode side's draft recomputes
+                    log.warning("the draft KV of %s was not computed: %s", request_id, exc)
             try:
-                channel.send(export.request_id, export.kv, export.num_tokens, draft_kv=export.draft_kv)
+                channel.send(export.request_id, export.kv, export.num_tokens, draft_kv=draft_kv)
             except KVTransferError as exc:  # the receiving side sees it too and recovers
                 log.warning("sending KV of %s to %s failed: %s", request_id, decode_id, exc)
 
@@ -133,6 +147,7 @@ class PrefillWorker(EngineWorker):
     def abort(self, request_id: str) -> None:
         self.loop.abort(request_id).result()
         self.exports.pop(request_id, None)
+        self.draft_exports.pop(request_id, None)
         self.exported_at.pop(request_id, None)
         # The loop no longer calls this request's sink, so nothing else will answer its caller.
         pending = self.pending.pop(request_id, None)

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from cluster_helpers import PARAMS, PROMPTS, disaggregate, pool_whole
+from support import wait_for
 
 from decode_worker import DecodeWorker
 from engine import CacheConfig, EngineConfig, LLMEngine, Role
@@ -55,8 +56,10 @@ def draft_pool_whole(stats: dict) -> bool:
             and stats["draft_requests"] == 0)
 
 
-def whole(*workers) -> bool:
-    return all(pool_whole(s) and draft_pool_whole(s) for s in (w.stats() for w in workers))
+def whole(prefill: PrefillWorker, decode: DecodeWorker) -> bool:
+    """Every pool whole, and nothing held for a draft KV still to compute or send."""
+    return (all(pool_whole(s) and draft_pool_whole(s) for s in (prefill.stats(), decode.stats()))
+            and not prefill.draft_exports and not prefill.engine.draft_pending and not decode.draft_reserved)
 
 
 def test_shipped_draft_kv_gives_the_plain_engines_tokens(workers, reference):
@@ -103,7 +106,9 @@ def test_an_aborted_request_frees_both_decode_pools(workers):
     assert decode.reserve("gone", len(prompt)) and decode.stats()["draft_requests"] == 1
     decode.pull("gone", "prefill-s", lambda: prefill.push("gone", "decode-s"))
     assert decode.abort("gone") is None  # received, never admitted
-    assert whole(prefill, decode)
+    prefill.prefill(GenerateRequest("never-pulled", prompt, params)).result(timeout=30)
+    prefill.abort("never-pulled")  # its draft KV may still be computing: dropped either way
+    assert wait_for(lambda: whole(prefill, decode), 10, "both workers whole")
 
 
 def test_recompute_mode_sends_only_the_target_kv(reference):
