@@ -2,8 +2,9 @@
 
 Each request's KV is copied out of the pool when its first token exists and held until the
 chosen decode worker pulls it (`push`), which sends it over that decode worker's channel. With
-speculative.draft_kv "ship" the engine's draft model computes the prompt's draft KV at the same
-moment, and it goes over the same channel with the target's (kv_transfer.channel). Plain
+speculative.draft_kv "ship" the engine's draft model computes the prompt's draft KV in the
+loop's next turn (the first token is answered first), and it goes over the same channel with
+the target's (kv_transfer.channel). Plain
 class over engine.worker_base.EngineWorker (engine, loop, publisher, health): the Ray actor in
 actor.py only adapts its futures to asyncio.
 """
