@@ -9,13 +9,16 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 from cluster_helpers import PARAMS, PROMPTS, disaggregate, pool_whole
 from support import wait_for
 
 from decode_worker import DecodeWorker
 from engine import CacheConfig, EngineConfig, LLMEngine, Role
 from engine.messages import GenerateRequest
-from kv_transfer import TransferConfig, inprocess_pair
+from kv_transfer import KVTransferError, Msg, RefuseReason, TransferConfig, encode_header, inprocess_pair
+from kv_transfer.checksum import payload_checksum
+from kv_transfer.layout import make_draft_section, make_header
 from prefill_worker import PrefillWorker
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -127,3 +130,29 @@ def test_recompute_mode_sends_only_the_target_kv(reference):
     finally:
         prefill.close()
         decode.close()
+
+
+def test_draft_counts_that_disagree_with_the_reservation_are_refused_unallocated(workers):
+    """A header whose draft section covers other tokens than were reserved is refused (the whole
+    transfer: the caller recomputes) before any receive buffer is sized for it."""
+    prefill, decode = workers
+    tx = prefill.channels["decode-s"]
+    assert decode.reserve("r", 20)  # 2 blocks of 16, for the target and the draft
+    kv = torch.zeros(2, tx.layout.num_layers, 2, 16, tx.layout.num_kv_heads, tx.layout.head_dim)
+    d = tx.draft_layout
+    draft = make_draft_section(torch.zeros(2, d.num_layers, 1, 16, d.num_kv_heads, d.head_dim), 9, d, 0)
+    header = make_header("r", kv, 20, tx.layout, tx.shard, payload_checksum(kv), draft)
+    ack = torch.zeros(2, dtype=torch.int64)
+
+    def push() -> bool:
+        def send() -> None:
+            tx.link.send(torch.frombuffer(bytearray(encode_header(header)), dtype=torch.uint8), Msg.HEADER)
+            tx.link.recv(ack, Msg.ACK)
+        threading.Thread(target=send, daemon=True).start()
+        return True
+    with pytest.raises(KVTransferError, match="draft KV of 'r' claims 9 tokens in 1 blocks; 20 in 2 were reserved"):
+        decode.pull("r", "prefill-s", push)
+    assert wait_for(lambda: ack[1].item() == RefuseReason.CALLER, 5, "the refusal")
+    assert decode.buffers.held_bytes == 0
+    decode.abort("r")
+    assert whole(prefill, decode)
