@@ -14,6 +14,12 @@ best precision (--dtype auto), greedy (so both sides emit the same tokens; the r
       Output tokens/s of 16 such rewrite requests submitted at once, prompt lookup on / off: at
       load speculation must not cost (the adaptive rule turns it off in compute-bound steps).
 
+raw.disagg_draft_kv compares, disaggregated, the draft's prompt KV shipped from the prefill worker
+(speculative.draft_kv ship) with the decode worker's draft computing it (recompute): {ship_s,
+recompute_s} over the same requests one at a time and {concurrent_ship_s, concurrent_recompute_s}
+with all submitted at once, on the random presets bench / bench-draft (cheap: seconds; see
+benchmarks/_disagg_draft_kv.py).
+
 raw.acceptance holds acceptance rate (accepted / proposed) and mean accepted tokens per
 verification step per drafter and workload; raw also has per-phase times, token counts and
 whether speculative output equalled plain output.
@@ -37,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import benchmarks._common as C  # noqa: E402
+import benchmarks._disagg_draft_kv as disagg_draft_kv  # noqa: E402
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from engine.config import SpeculativeConfig  # noqa: E402
 
@@ -85,10 +92,13 @@ class Plan:
     concurrent: int
     k_draft: int
     k_ngram: int
+    disagg_prompts: int  # raw.disagg_draft_kv: requests of disagg_prompt_tokens, disagg_tokens out
+    disagg_prompt_tokens: int
+    disagg_tokens: int
 
 
-FULL = Plan("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", C.REAL_MODEL, 8, 128, 4, 128, 16, 4, 6)
-QUICK = Plan(C.REAL_MODEL, C.REAL_MODEL, C.REAL_MODEL, 2, 48, 2, 48, 8, 4, 6)
+FULL = Plan("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", C.REAL_MODEL, 8, 128, 4, 128, 16, 4, 6, 8, 512, 16)
+QUICK = Plan(C.REAL_MODEL, C.REAL_MODEL, C.REAL_MODEL, 2, 48, 2, 48, 8, 4, 6, 2, 256, 8)
 
 
 def make_engine(model: str, dtype: str, spec: SpeculativeConfig | None = None) -> LLMEngine:
@@ -200,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             "draft model, batch 1", lambda: serial(target, code, plan.code_tokens),
             lambda: serial(make_engine(plan.target, args.dtype, draft), code, plan.code_tokens))
         ratios["draft_speedup_bs1"] = raw["draft_bs1"]["plain"]["wall_s"] / raw["draft_bs1"]["spec"]["wall_s"]
+    raw["disagg_draft_kv"] = disagg_draft_kv.measure(args.dtype, plan.disagg_prompts, plan.disagg_prompt_tokens,
+                                                     plan.disagg_tokens)
     raw["acceptance"] = {
         f"{phase}:{label}": {"acceptance_rate": raw[phase]["spec"]["acceptance_rate"],
                              "accepted_per_step": raw[phase]["spec"]["accepted_per_step"]}

@@ -4,7 +4,11 @@ Per request: reserve() allocates blocks before anything is sent (or refuses, so 
 picks another worker); pull() asks the prefill worker to send (through a callable the
 caller supplies, so this class knows no Ray) and receives the KV straight into a buffer,
 checked by layout and checksum; start() admits the request from its first token and
-streams its outputs to a sink. generate_local() runs a whole request here (colocated mode).
+streams its outputs to a sink. With speculative.draft_kv "ship" reserve() also reserves draft
+blocks, and pull() takes the draft model's prompt KV that comes with the target's into them
+(when the header's draft section matches this worker's draft and its counts the reservation),
+so the draft proposes from the first step; otherwise the draft computes the prompt itself.
+generate_local() runs a whole request here (colocated mode).
 
 stream() does all of that for one request on an asyncio loop and yields its chunks from the
 second token on (the router sent the first from the prefill result); when the transfer
@@ -41,7 +45,9 @@ from kv_transfer import (
     ReceiverChannel,
     TransferConfig,
     TransferServer,
+    check_draft,
 )
+from kv_transfer.layout import draft_layout
 from kv_transfer.leases import LeaseSweeper
 from kv_transfer.reshard import shard_of
 
@@ -60,6 +66,7 @@ class DecodeWorker(EngineWorker):
         # A tensor-parallel worker takes only rank 0's heads here; its other ranks receive their
         # own over their own pairs (decode_worker.group.RankActor, kv_transfer.reshard).
         self.shard = rank_shard(self.engine)
+        self.draft_layout = draft_layout(self.engine)
         self.transfer_cfg = transfer_cfg
         self.server = TransferServer(transfer_cfg)
         self.channels: dict[str, ReceiverChannel] = {}  # by prefill worker id
@@ -68,6 +75,8 @@ class DecodeWorker(EngineWorker):
         self.reserved: dict[str, list[int]] = {}  # request id -> its reserved blocks
         self.reserved_at: dict[str, float] = {}
         self.reserved_tokens: dict[str, int] = {}  # what a pulled header must say, before any allocation
+        self.draft_reserved: dict[str, list[int]] = {}  # request id -> draft blocks for its draft KV
+        self.draft_written: set[str] = set()  # requests whose draft KV arrived into those blocks
         self.pulling: set[str] = set()  # requests whose KV is being written into their blocks
         self.pull_done = threading.Condition()
         self.streams: dict[str, OutputStream] = {}  # requests streaming from here, for cancel()
@@ -82,6 +91,7 @@ class DecodeWorker(EngineWorker):
         """Accept the next prefill worker that connects (with the cluster's secret, and named
         `expect` when given: the router says whom); returns its id."""
         channel = self.server.accept(self.layout, self.shard, expect=expect)
+        channel.draft_layout = self.draft_layout
         self.locks.setdefault(channel.peer, threading.Lock())
         old = self.channels.pop(channel.peer, None)
         if old is not None:
@@ -113,6 +123,9 @@ class DecodeWorker(EngineWorker):
                 self.reserved[request_id] = engine.reserve(request_id, num_tokens)
                 self.reserved_at[request_id] = time.monotonic()
                 self.reserved_tokens[request_id] = num_tokens
+                draft = engine.reserve_draft(request_id, num_tokens)  # None: the draft recomputes
+                if draft is not None:
+                    self.draft_reserved[request_id] = draft
                 return True
             except NoFreeBlocks:
                 return False
@@ -122,8 +135,8 @@ class DecodeWorker(EngineWorker):
         """Receive a reserved request's KV from `prefill_id` into its blocks.
 
         `request_push()` makes the prefill worker send (True) or says it cannot (False).
-        Returns (payload bytes, seconds). Raises KVTransferError on refusal, a bad checksum or
-        a closed channel; the reservation is then still held, for a retry or abort().
+        Returns (payload bytes, the draft's included, seconds). Raises KVTransferError on refusal,
+        a bad checksum or a closed channel; the reservation is then still held, for a retry or abort().
         """
         channel = self.channels.get(prefill_id)
         if channel is None:
@@ -134,6 +147,7 @@ class DecodeWorker(EngineWorker):
             raise KVTransferError(f"no blocks reserved for {request_id!r}")
         with self.pull_done:
             self.pulling.add(request_id)
+        nbytes = 0
         try:
             with self.locks[prefill_id]:
                 if not request_push():
@@ -147,19 +161,39 @@ class DecodeWorker(EngineWorker):
                     channel.refuse(header)
                     raise KVTransferError(f"KV of {request_id!r} claims {header.num_tokens} tokens in "
                                           f"{header.num_blocks} blocks; {expected[0]} in {expected[1]} were reserved")
+                draft_blocks = self._draft_blocks(request_id, header, channel)
                 # Written from this thread, not the engine's: reserved blocks belong to no running
                 # sequence until admit(), so the step never touches them, and abort() waits for
                 # us (below) before it can hand them to anyone else.
                 if self.shard is None:
-                    kv = channel.recv_payload(header, self._buffer(prefill_id, header))
+                    draft_out = channel.draft_buffer(header) if draft_blocks else None
+                    kv = channel.recv_payload(header, self._buffer(prefill_id, header), draft_out=draft_out)
                     self.engine.write_kv(blocks, kv)
+                    if draft_out is not None:
+                        self.engine.write_draft_kv(draft_blocks, draft_out)
+                        self.draft_written.add(request_id)
+                        nbytes += header.draft.payload_nbytes
                 else:
                     self._write_group(request_id, prefill_id, header, channel, blocks)
         finally:
             with self.pull_done:
                 self.pulling.discard(request_id)
                 self.pull_done.notify_all()
-        return header.payload_nbytes, time.monotonic() - start
+        return nbytes + header.payload_nbytes, time.monotonic() - start
+
+    def _draft_blocks(self, request_id: str, header, channel: ReceiverChannel) -> list[int] | None:
+        """The reserved draft blocks the header's draft KV goes into, or None to decline it (none
+        reserved, none sent, another draft model). Counts that disagree with the reservation are
+        refused, as the target's are, before anything is allocated."""
+        blocks = self.draft_reserved.get(request_id)
+        if blocks is None or self.shard is not None or check_draft(header, channel.draft_layout) is not None:
+            return None
+        if (header.draft.num_tokens, header.draft.num_blocks) != (self.reserved_tokens.get(request_id), len(blocks)):
+            channel.refuse(header)
+            raise KVTransferError(f"draft KV of {request_id!r} claims {header.draft.num_tokens} tokens in "
+                                  f"{header.draft.num_blocks} blocks; {self.reserved_tokens.get(request_id)} in "
+                                  f"{len(blocks)} were reserved")
+        return blocks
 
     def _write_group(self, request_id: str, prefill_id: str, header, channel, blocks: list[int]) -> None:
         """Rank 0's heads from its pair, the other ranks' from theirs, all written in one group op.
@@ -189,10 +223,13 @@ class DecodeWorker(EngineWorker):
             self.reserved.pop(request_id, None)  # the engine's sequence owns the blocks from here
             self.reserved_at.pop(request_id, None)
             self.reserved_tokens.pop(request_id, None)
+            self.draft_reserved.pop(request_id, None)
+            draft_kv = request_id in self.draft_written
+            self.draft_written.discard(request_id)
             self.loop.watch_now(request_id, sink)
             try:
                 engine.admit(request_id, prompt_token_ids, first_token_id, params, cached_tokens, first_logprobs,
-                             cache_salt)
+                             cache_salt, draft_kv=draft_kv)
             except BaseException:
                 self.loop.unwatch_now(request_id)
                 raise
@@ -211,6 +248,8 @@ class DecodeWorker(EngineWorker):
         self.reserved.pop(request_id, None)
         self.reserved_at.pop(request_id, None)
         self.reserved_tokens.pop(request_id, None)
+        self.draft_reserved.pop(request_id, None)
+        self.draft_written.discard(request_id)
         return self.loop.abort(request_id).result()
 
     def broken_pairs(self) -> list[str]:

@@ -96,6 +96,11 @@ class SpeculativeConfig(_Frozen):
     # compute-bound: verified tokens cost as much as plain ones). Seeded sampled requests keep
     # speculating, so their tokens never depend on their batch.
     max_batch: int = Field(8, ge=1)
+    # Disaggregated, method draft: "ship": the prefill worker also prefills the draft model and
+    # sends the draft's prompt KV with the target's (the decode worker proposes from its first
+    # step without computing the prompt); "recompute": the decode worker's draft computes the
+    # prompt itself on the request's first decode step. See docs/ARCHITECTURE.md for the measurement.
+    draft_kv: Literal["ship", "recompute"] = "ship"
 
     @model_validator(mode="after")
     def _check(self) -> SpeculativeConfig:
@@ -121,12 +126,12 @@ class SpeculativeConfig(_Frozen):
                 fields.update(method="draft", draft_model=value)
             elif i and key in ("k", "n", "n_min", "draft_num_blocks", "max_batch") and eq:
                 fields[key] = value
-            elif i and key == "token_cost" and eq:
+            elif i and key in ("token_cost", "draft_kv") and eq:
                 fields[key] = value
             else:
                 raise ValueError(f"speculative: cannot read {part!r} in {text!r}; expected "
                                  "draft=MODEL,k=4 or ngram,k=4,n=3 (also n_min, token_cost, max_batch, "
-                                 "draft_num_blocks) or none")
+                                 "draft_num_blocks, draft_kv=ship|recompute) or none")
         try:
             return cls.model_validate(fields)
         except ValidationError as exc:

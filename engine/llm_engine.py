@@ -3,7 +3,8 @@
 Roles (engine.config.Role): a mixed engine runs requests start to finish. A prefill
 engine stops each request after its first token and holds its KV blocks until
 export_kv()/release(). A decode engine takes requests with their KV via reserve() +
-write_kv() + admit() (or import_kv() for all three) and continues them.
+write_kv() + admit() (or import_kv() for all three) and continues them; with speculative.draft_kv
+"ship" the draft's prompt KV goes along (export_kv; reserve_draft, write_draft_kv, admit).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from engine.sampler import token_logprobs
 from engine.sampling import InvalidRequest, SamplingParams, TokenLogprobs
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence, SequenceStatus
-from engine.spec import build_speculator
+from engine.spec import build_draft_kv, build_speculator
 from engine.tokenizer import IncrementalDetokenizer, prompt_token_ids
 
 Prompt = str | Seq[int]
@@ -42,6 +43,8 @@ class LLMEngine:
         self.hicache = p.hicache  # host/disk tiers under the device pool, or None
         # Speculative decoding (engine.spec), or None when off.
         self.speculator = build_speculator(config, self.model_config, self.pool, self.sampler, self.max_model_len)
+        self.draft_kv = build_draft_kv(  # the draft whose prompt KV travels with the target's, or None
+            config, self.model_config, self.pool, self.sampler, self.speculator)
         self.block_size = config.cache.block_size
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -50,6 +53,7 @@ class LLMEngine:
         self.detoks: dict[str, IncrementalDetokenizer] = {}
         self.prefilled: dict[str, Sequence] = {}
         self.reservations: dict[str, list[int]] = {}
+        self.draft_pending: dict[str, Sequence] = {}  # exported, their draft KV still to compute
         self._arrivals = itertools.count()
         self._pending: list[RequestOutput] = []  # finished outside step(), reported by the next step()
 
@@ -109,6 +113,9 @@ class LLMEngine:
         """Stop a request wherever it is and free its blocks. None if unknown or done."""
         if request_id in self.reservations:
             self.pool.release(self.reservations.pop(request_id))
+        if self.draft_kv is not None:
+            self.draft_kv.release(request_id)  # a draft reservation (a running request's mirror goes below too)
+            self.draft_pending.pop(request_id, None)
         seq = self.prefilled.pop(request_id, None)
         if seq is not None:
             self.pool.release(seq.block_table)
@@ -308,16 +315,25 @@ class LLMEngine:
         return [done[r] for r in ids]
 
     # -- disaggregation: prefill side --------------------------------------------
-    def export_kv(self, request_id: str, release: bool = True) -> KVExport:
-        """Copy a prefilled request's KV blocks out; by default free them here too."""
+    def export_kv(self, request_id: str, release: bool = True, draft: bool = True) -> KVExport:
+        """Copy a prefilled request's KV blocks out; by default free them here too. The draft's KV
+        (when shipped) is computed now too, or with `draft` False later, by export_draft_kv."""
         seq = self.prefilled[request_id]
         blocks = seq.block_table[: -(-seq.num_computed // self.block_size)]
         kv = self.runner.read_blocks(blocks)  # (2, L, nb, bs, Hkv, hd), a copy
+        draft_kv = self.draft_kv.export_prompt(seq, seq.num_computed) if self.draft_kv and draft else None
+        if self.draft_kv is not None and not draft:
+            self.draft_pending[request_id] = seq  # only its tokens are read, after its blocks went back
         out = KVExport(request_id, seq.prompt_token_ids, seq.token_ids[-1], seq.num_computed, kv, blocks,
-                       seq.num_cached_tokens or 0, seq.logprobs[-1] if seq.logprobs else None)
+                       seq.num_cached_tokens or 0, seq.logprobs[-1] if seq.logprobs else None, draft_kv)
         if release:
             self.release(request_id)
         return out
+
+    def export_draft_kv(self, request_id: str) -> torch.Tensor | None:
+        """The draft's KV of a request exported with draft=False (None: aborted since, or no room)."""
+        seq = self.draft_pending.pop(request_id, None)
+        return self.draft_kv.export_prompt(seq, seq.num_computed) if seq is not None else None
 
     def release(self, request_id: str) -> None:
         seq = self.prefilled.pop(request_id)
@@ -336,21 +352,32 @@ class LLMEngine:
     def write_kv(self, block_ids: list[int], kv: torch.Tensor) -> None:
         self.runner.write_blocks(block_ids, kv)
 
+    def reserve_draft(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Draft blocks for an incoming draft KV; None: none taken here (not "ship"), or no room."""
+        return self.draft_kv.reserve(request_id, num_tokens) if self.draft_kv is not None else None
+
+    def write_draft_kv(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        self.draft_kv.write(block_ids, kv)
+
     def admit(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
               params: SamplingParams, cached_tokens: int = 0,
-              first_logprobs: TokenLogprobs | None = None, cache_salt: str | None = None) -> None:
+              first_logprobs: TokenLogprobs | None = None, cache_salt: str | None = None,
+              draft_kv: bool = False) -> None:
         """Continue a prefilled request whose KV is already in its reserved blocks.
 
-        A request the first token already finishes (EOS, max_tokens=1) is reported by the
-        next step() and its blocks are freed; a refused one frees its reservation. The request
-        was checked where it was built (a door, or import_kv): only whether its whole output
-        fits this engine's pool is checked here.
+        `draft_kv`: its reserved draft blocks hold the draft's prompt KV too (else they are freed).
+        A request the first token already finishes (EOS, max_tokens=1) is reported by the next
+        step() and its blocks are freed; a refused one frees its reservation. The request was
+        checked where it was built (a door, or import_kv): only whether its whole output fits
+        this engine's pool is checked here.
         """
         try:
             check_fits(prompt_token_ids, params, block_size=self.block_size, num_blocks=self.pool.num_blocks,
                        vocab_size=self.model_config.vocab_size)
         except InvalidRequest:
             self.pool.release(self.reservations.pop(request_id, []))
+            if self.draft_kv is not None:
+                self.draft_kv.release(request_id)
             raise
         seq = Sequence(request_id, list(prompt_token_ids), params, next(self._arrivals),
                        token_ids=list(prompt_token_ids) + [first_token_id],
@@ -358,6 +385,10 @@ class LLMEngine:
                        num_cached_tokens=cached_tokens, status=SequenceStatus.WAITING, cache_salt=cache_salt)
         if first_logprobs is not None:
             seq.logprobs.append(first_logprobs)
+        if self.draft_kv is not None and draft_kv:
+            self.draft_kv.adopt(seq, len(prompt_token_ids))
+        elif self.draft_kv is not None:
+            self.draft_kv.release(request_id)
         self.scheduler.register_blocks(seq)
         self._track(seq, [first_token_id])
         reason = self._stop_reason(seq, first_token_id, self.detoks[request_id])
@@ -373,8 +404,11 @@ class LLMEngine:
         self.validate(export.prompt_token_ids, params)
         blocks = self.reserve(export.request_id, export.num_tokens)
         self.write_kv(blocks, export.kv)
+        draft_blocks = self.reserve_draft(export.request_id, export.num_tokens) if export.draft_kv is not None else None
+        if draft_blocks is not None:
+            self.write_draft_kv(draft_blocks, export.draft_kv)
         self.admit(export.request_id, export.prompt_token_ids, export.first_token_id, params,
-                   export.cached_tokens, export.first_logprobs)
+                   export.cached_tokens, export.first_logprobs, draft_kv=draft_blocks is not None)
 
     # -- introspection ----------------------------------------------------------
     def take_cache_events(self) -> list[CacheEvent]:
@@ -392,6 +426,7 @@ class LLMEngine:
             "prefix_hit_rate": cs.hit_rate, "evicted_blocks": cs.evicted_blocks,
             **({"hicache": self.hicache.snapshot()} if self.hicache is not None else {}),
             **(self.speculator.stats() if self.speculator is not None else {}),
+            **(self.draft_kv.stats() if self.draft_kv is not None and self.speculator is None else {}),
         }
 
     def close(self) -> None:

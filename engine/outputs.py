@@ -57,6 +57,8 @@ class KVExport:
 
     `kv` is (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim) on the
     exporting engine's device; only the first `num_tokens` token slots are meaningful.
+    `draft_kv` is the draft model's KV of the same tokens, in its own layout, when it is
+    shipped (speculative.draft_kv "ship"); None otherwise.
     """
 
     request_id: str
@@ -67,3 +69,4 @@ class KVExport:
     block_ids: list[int] = field(default_factory=list)
     cached_tokens: int = 0
     first_logprobs: TokenLogprobs | None = None
+    draft_kv: torch.Tensor | None = None

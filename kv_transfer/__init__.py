@@ -19,17 +19,26 @@ from kv_transfer.errors import (
     TransferRefused,
     TransferTimeout,
 )
-from kv_transfer.header import HEADER_SIZE, MAX_ID_BYTES, TransferHeader, decode_header, encode_header
+from kv_transfer.header import (
+    HEADER_SIZE,
+    MAX_ID_BYTES,
+    DraftSection,
+    TransferHeader,
+    decode_header,
+    draft_model_key,
+    encode_header,
+)
 from kv_transfer.inprocess import inprocess_pair
-from kv_transfer.layout import HeadShard, KVLayout
+from kv_transfer.layout import HeadShard, KVLayout, check_draft
 from kv_transfer.pg_link import raw_recv, raw_send
 from kv_transfer.recv_buffers import ReceiveBuffers
 from kv_transfer.rendezvous import TransferServer, connect
 
 __all__ = [
     "HEADER_SIZE", "MAX_ID_BYTES", "ChannelClosed", "ChannelStats", "ChecksumAlgo", "ChecksumMismatch",
-    "HeadShard", "HeaderError", "KVLayout", "KVReceiver", "KVSender", "KVTransferError", "LayoutMismatch",
-    "Link", "Msg", "ReceiveBuffers", "ReceiverChannel", "RefuseReason", "SenderChannel", "TransferConfig",
-    "TransferHeader", "TransferRefused", "TransferServer", "TransferTimeout", "connect", "decode_header",
-    "encode_header", "inprocess_pair", "payload_checksum", "payload_view", "raw_recv", "raw_send",
+    "DraftSection", "HeadShard", "HeaderError", "KVLayout", "KVReceiver", "KVSender", "KVTransferError",
+    "LayoutMismatch", "Link", "Msg", "ReceiveBuffers", "ReceiverChannel", "RefuseReason", "SenderChannel",
+    "TransferConfig", "TransferHeader", "TransferRefused", "TransferServer", "TransferTimeout", "check_draft",
+    "connect", "decode_header", "draft_model_key", "encode_header", "inprocess_pair", "payload_checksum",
+    "payload_view", "raw_recv", "raw_send",
 ]

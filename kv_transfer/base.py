@@ -74,10 +74,12 @@ class KVSender(Protocol):
     broken: bool  # closed, or its link failed: the pair must be rebuilt
 
     def send(self, request_id: str, kv: torch.Tensor, num_tokens: int,
-             timeout_s: float | None = None) -> TransferHeader:
+             timeout_s: float | None = None, draft_kv: torch.Tensor | None = None) -> TransferHeader:
         """Send one request's KV: kv (2, L, nb, bs, head_count, hd), only read. Returns the
         header sent. TransferRefused if the receiver declined (no payload was sent, the
-        channel stays usable); LayoutMismatch if kv does not match this sender's layout."""
+        channel stays usable); LayoutMismatch if kv does not match this sender's layout.
+        `draft_kv`: a draft model's KV of the same tokens (speculative decoding), sent after it
+        unless the receiver declines it (channel.py)."""
         ...
 
     def close(self) -> None: ...
@@ -101,10 +103,11 @@ class KVReceiver(Protocol):
         ...
 
     def recv_payload(self, header: TransferHeader, out: torch.Tensor | None = None,
-                     timeout_s: float | None = None) -> torch.Tensor:
+                     timeout_s: float | None = None, draft_out: torch.Tensor | None = None) -> torch.Tensor:
         """Accept the header and receive its payload into `out` (contiguous,
         header.payload_shape, header.dtype, on the link's payload device; allocated when None),
-        then verify it. ChecksumMismatch means the bytes in `out` must not be used."""
+        then verify it. ChecksumMismatch means the bytes in `out` must not be used. With
+        `draft_out` the header's draft payload is taken too (else declined)."""
         ...
 
     def close(self) -> None: ...

@@ -8,7 +8,7 @@ import torch
 
 from kv_transfer.checksum import ChecksumAlgo
 from kv_transfer.errors import LayoutMismatch, RefuseReason
-from kv_transfer.header import TransferHeader
+from kv_transfer.header import DraftSection, TransferHeader, draft_model_key
 
 
 @dataclass(frozen=True)
@@ -51,10 +51,18 @@ class HeadShard:
         return cls(1, 0, 0, num_kv_heads)
 
 
+def draft_layout(engine) -> KVLayout | None:
+    """The layout of an engine's draft model whose prompt KV travels with the target's
+    (engine.LLMEngine.draft_kv), or None when none does."""
+    draft = engine.draft_kv
+    return None if draft is None else KVLayout.from_kv_cache(draft.model_id, draft.runner.kv_cache)
+
+
 def make_header(request_id: str, kv: torch.Tensor, num_tokens: int, layout: KVLayout, shard: HeadShard,
-                checksum: tuple[ChecksumAlgo, int]) -> TransferHeader:
-    """The header for sending `kv` (2, L, nb, bs, head_count, hd); LayoutMismatch if the tensor
-    does not match the sender's own layout and shard."""
+                checksum: tuple[ChecksumAlgo, int], draft: DraftSection | None = None) -> TransferHeader:
+    """The header for sending `kv` (2, L, nb, bs, head_count, hd), and the draft's KV when `draft`
+    (make_draft_section) says so; LayoutMismatch if the tensor does not match the sender's own
+    layout and shard."""
     nb = math.ceil(num_tokens / layout.block_size) if num_tokens > 0 else 0
     want = (2, layout.num_layers, nb, layout.block_size, shard.head_count, layout.head_dim)
     if tuple(kv.shape) != want:
@@ -66,7 +74,36 @@ def make_header(request_id: str, kv: torch.Tensor, num_tokens: int, layout: KVLa
     return TransferHeader(request_id, layout.model_id, layout.num_layers, layout.num_kv_heads,
                           layout.head_dim, layout.block_size, layout.dtype, num_tokens, nb, shard.tp_size,
                           shard.tp_rank, shard.head_start, shard.head_count, kv.numel() * kv.element_size(),
-                          int(algo), value)
+                          int(algo), value, draft)
+
+
+def make_draft_section(kv: torch.Tensor, num_tokens: int, layout: KVLayout, checksum: int) -> DraftSection:
+    """The header's draft section for the draft model's KV `kv` (2, L', nb, bs, H', hd') of
+    `num_tokens` tokens in the draft's own `layout`; LayoutMismatch if the tensor does not match it."""
+    nb = math.ceil(num_tokens / layout.block_size)
+    want = (2, layout.num_layers, nb, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    if tuple(kv.shape) != want or kv.dtype != layout.dtype:
+        raise LayoutMismatch(RefuseReason.SHAPE, f"draft kv {tuple(kv.shape)} {kv.dtype} for {num_tokens} tokens, "
+                                                 f"expected {want} {layout.dtype}")
+    return DraftSection(draft_model_key(layout.model_id), layout.num_layers, layout.num_kv_heads, layout.head_dim,
+                        layout.dtype, num_tokens, nb, kv.numel() * kv.element_size(), checksum)
+
+
+def check_draft(h: TransferHeader, layout: KVLayout | None) -> str | None:
+    """None if a receiver whose draft model has `layout` can take the header's draft KV as it is;
+    otherwise why not. Not a refusal: the target's KV is still good, the draft just recomputes."""
+    d = h.draft
+    if d is None:
+        return "no draft section"
+    if layout is None:
+        return "this receiver has no draft model"
+    if d.model_key != draft_model_key(layout.model_id):
+        return f"another draft model than {layout.model_id!r}"
+    got, want = (d.num_layers, d.num_kv_heads, d.head_dim, h.block_size, d.dtype), \
+        (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size, layout.dtype)
+    if got != want:
+        return f"draft (layers, kv_heads, head_dim, block_size, dtype) {got}, expected {want}"
+    return None
 
 
 def check_header(h: TransferHeader, layout: KVLayout, shard: HeadShard,

@@ -138,7 +138,9 @@ class ShardedSender:
     def broken(self) -> bool:
         return self.closed or any(channel.broken for _, channel in self.channels)
 
-    def send(self, request_id: str, kv: torch.Tensor, num_tokens: int, timeout_s: float | None = None) -> None:
+    def send(self, request_id: str, kv: torch.Tensor, num_tokens: int, timeout_s: float | None = None,
+             draft_kv: torch.Tensor | None = None) -> None:
+        # draft_kv is dropped: a tensor-parallel decode group does not speculate (engine.config).
         for piece, channel in self.channels:
             channel.send(request_id, cut(kv, self.full, piece), num_tokens, timeout_s)
 

@@ -1,7 +1,10 @@
 """A prefill worker: an engine in prefill role whose requests end at their first token.
 
 Each request's KV is copied out of the pool when its first token exists and held until the
-chosen decode worker pulls it (`push`), which sends it over that decode worker's channel. Plain
+chosen decode worker pulls it (`push`), which sends it over that decode worker's channel. With
+speculative.draft_kv "ship" the engine's draft model computes the prompt's draft KV in the
+loop's next turn (the first token is answered first), and it goes over the same channel with
+the target's (kv_transfer.channel). Plain
 class over engine.worker_base.EngineWorker (engine, loop, publisher, health): the Ray actor in
 actor.py only adapts its futures to asyncio.
 """
@@ -15,6 +18,7 @@ from engine import EngineConfig, KVExport, RequestOutput, Role
 from engine.messages import Aborted, GenerateRequest, PrefillResult
 from engine.worker_base import EngineWorker, PublisherFactory
 from kv_transfer import KVLayout, KVTransferError, SenderChannel, TransferConfig, connect
+from kv_transfer.layout import draft_layout
 from kv_transfer.leases import LeaseSweeper
 from kv_transfer.reshard import ShardedSender, connect_group
 
@@ -28,12 +32,14 @@ class PrefillWorker(EngineWorker):
         super().__init__(worker_id, engine_cfg.model_copy(update={"role": Role.PREFILL}), publisher)
         self.layout = KVLayout.of_model(self.engine.model_id, self.engine.runner.kv_cache,
                                         self.engine.model_config.num_kv_heads)
+        self.draft_layout = draft_layout(self.engine)
         self.transfer_cfg = transfer_cfg
         self.channels: dict[str, SenderChannel | ShardedSender] = {}
         # One thread per channel: sends leave in the order decode workers pulled them.
         self.senders: dict[str, ThreadPoolExecutor] = {}
         # Prefilled requests' KV, copied out of the pool, until their decode worker pulls it.
         self.exports: dict[str, KVExport] = {}
+        self.draft_exports: dict[str, Future] = {}  # their draft model's KV, when shipped: computed a turn later
         self.exported_at: dict[str, float] = {}
         # Prefills not yet answered: abort() must answer them, as the engine then reports nothing.
         self.pending: dict[str, Future[PrefillResult]] = {}
@@ -50,6 +56,7 @@ class PrefillWorker(EngineWorker):
             self.channels[decode_id] = connect_group(address, self.layout, self.transfer_cfg, self.worker_id)
         else:
             self.channels[decode_id] = connect(address, self.layout, self.transfer_cfg, name=self.worker_id)
+            self.channels[decode_id].draft_layout = self.draft_layout
         self.senders[decode_id] = ThreadPoolExecutor(1, thread_name_prefix=f"{self.worker_id}-to-{decode_id}")
 
     def disconnect(self, decode_id: str) -> None:
@@ -66,6 +73,7 @@ class PrefillWorker(EngineWorker):
         stale = [rid for rid, t in list(self.exported_at.items()) if t < deadline]
         for rid in stale:  # pop, not del: push() on a sender thread may take it meanwhile
             self.exports.pop(rid, None)
+            self.draft_exports.pop(rid, None)
             self.exported_at.pop(rid, None)
             log.warning("dropped the KV of %s: no decode worker pulled it", rid)
         return stale
@@ -84,13 +92,18 @@ class PrefillWorker(EngineWorker):
                 return
             if result.done():  # aborted before the engine had it (abort raced add_request): answered already
                 if out.kv_ready:
-                    self.engine.export_kv(req.request_id)  # hands its blocks back; nobody will pull it
+                    self.engine.release(req.request_id)  # hands its blocks back; nobody will pull it
                 return
             if out.kv_ready:
                 # Copy the KV out now, in the same loop turn: a later pull then waits for no
                 # engine step, and the blocks go back to the pool (full ones stay cached).
-                self.exports[req.request_id] = self.engine.export_kv(req.request_id)
+                self.exports[req.request_id] = self.engine.export_kv(req.request_id, draft=False)
                 self.exported_at[req.request_id] = time.monotonic()
+                if self.engine.draft_kv is not None:
+                    # The draft's KV in the loop's next turn: the first token is answered first, and
+                    # the push waits for this (the decode worker is still being asked to pull).
+                    rid = req.request_id
+                    self.draft_exports[rid] = self.loop.call(lambda engine: engine.export_draft_kv(rid))
             result.set_result(PrefillResult(
                 req.request_id, out.new_token_ids[0], out.new_text, out.finished, out.finish_reason, out.usage,
                 out.logprobs[-1] if out.logprobs else None, queue_s=0.0, prefill_s=time.monotonic() - start))
@@ -113,12 +126,19 @@ class PrefillWorker(EngineWorker):
             return False
         export = self.exports.pop(request_id, None)
         self.exported_at.pop(request_id, None)
+        draft = self.draft_exports.pop(request_id, None)
         if export is None:
             return False
 
         def send() -> None:
+            draft_kv = export.draft_kv
+            if draft is not None:
+                try:
+                    draft_kv = draft.result(timeout=self.transfer_cfg.timeout_s)
+                except Exception as exc:  # the target's KV still goes; the decode side's draft recomputes
+                    log.warning("the draft KV of %s was not computed: %s", request_id, exc)
             try:
-                channel.send(export.request_id, export.kv, export.num_tokens)
+                channel.send(export.request_id, export.kv, export.num_tokens, draft_kv=draft_kv)
             except KVTransferError as exc:  # the receiving side sees it too and recovers
                 log.warning("sending KV of %s to %s failed: %s", request_id, decode_id, exc)
 
@@ -128,15 +148,19 @@ class PrefillWorker(EngineWorker):
     def abort(self, request_id: str) -> None:
         self.loop.abort(request_id).result()
         self.exports.pop(request_id, None)
+        self.draft_exports.pop(request_id, None)
         self.exported_at.pop(request_id, None)
         # The loop no longer calls this request's sink, so nothing else will answer its caller.
         pending = self.pending.pop(request_id, None)
         if pending is not None and not pending.done():
             pending.set_exception(Aborted(f"request {request_id!r} was aborted during prefill"))
 
-    def corrupt_next_payload(self, decode_id: str) -> None:
-        """Test hook: flip one byte of the next payload sent to `decode_id`."""
-        self.channels[decode_id].corrupt_next_payload = True
+    def corrupt_next_payload(self, decode_id: str, draft: bool = False) -> None:
+        """Test hook: flip one byte of the next payload sent to `decode_id` (the draft's KV when `draft`)."""
+        if draft:
+            self.channels[decode_id].corrupt_next_draft_payload = True
+        else:
+            self.channels[decode_id].corrupt_next_payload = True
 
     def broken_pairs(self) -> list[str]:
         return sorted(peer for peer, ch in list(self.channels.items()) if ch.broken)
@@ -152,3 +176,4 @@ class PrefillWorker(EngineWorker):
         for decode_id in list(self.channels):
             self.disconnect(decode_id)
         self.close_engine()
+

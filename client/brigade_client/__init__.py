@@ -11,10 +11,10 @@ from brigade_client.errors import (
     Unauthenticated,
     Unavailable,
 )
-from brigade_client.types import Chunk, Completion, Model, Timing, TokenLogprob, Usage
+from brigade_client.types import Chunk, Completion, Model, SpeculativeUsage, Timing, TokenLogprob, Usage
 
 __all__ = [
     "AsyncClient", "BrigadeError", "Cancelled", "Chunk", "Client", "Completion", "DeadlineExceeded",
-    "InvalidArgument", "Model", "NotFound", "ResourceExhausted", "Timing", "TokenLogprob", "Unauthenticated",
-    "Unavailable", "Usage",
+    "InvalidArgument", "Model", "NotFound", "ResourceExhausted", "SpeculativeUsage", "Timing", "TokenLogprob",
+    "Unauthenticated", "Unavailable", "Usage",
 ]

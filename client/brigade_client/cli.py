@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -66,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
                     last = chunk
                 sys.stdout.write("\n")
                 if args.usage:
-                    print(json.dumps({"finish_reason": last.finish_reason, "usage": vars(last.usage),
-                                      "timing": vars(last.timing)}), file=sys.stderr)
+                    print(json.dumps({"finish_reason": last.finish_reason, "usage": dataclasses.asdict(last.usage),
+                                      "timing": dataclasses.asdict(last.timing)}), file=sys.stderr)
     except BrigadeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

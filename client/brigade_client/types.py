@@ -12,11 +12,24 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class SpeculativeUsage:
+    """Speculative decoding's counters for one request: tokens proposed, of those accepted,
+    verification steps, and the two ratios of them."""
+
+    draft_tokens: int
+    accepted_tokens: int
+    verify_steps: int
+    acceptance_rate: float
+    accepted_per_step: float
+
+
+@dataclass(frozen=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
     cached_by_tier: dict[str, int] = field(default_factory=dict)
+    speculative: SpeculativeUsage | None = None  # None when speculative decoding did not run
 
 
 @dataclass(frozen=True)
@@ -71,7 +84,12 @@ def _logprobs(items) -> list[TokenLogprob]:
 
 
 def _usage(u) -> Usage:
-    return Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens, dict(u.cached_by_tier))
+    spec = None
+    if u.HasField("speculative"):
+        s = u.speculative
+        spec = SpeculativeUsage(s.draft_tokens, s.accepted_tokens, s.verify_steps, s.acceptance_rate,
+                                s.accepted_per_step)
+    return Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens, dict(u.cached_by_tier), spec)
 
 
 def _timing(t) -> Timing:

@@ -7,6 +7,12 @@ the tokens it has not seen (all of the prompt the first time, e.g. on a decode w
 got the target's KV from a prefill worker) and proposes the first token; k - 1 one-token
 passes propose the rest. Its proposals are drawn from the same sampling parameters' filtered
 distribution as the target's (argmax for greedy requests), whose rows go to verification.
+
+Disaggregated with speculative.draft_kv "ship", the prompt's draft KV is computed where the
+target's is: a prefill engine's drafter computes it (export_prompt) and it travels with the
+target's KV; the decode engine's drafter reserves blocks for it (reserve), has it written into
+them (write) and adopts them as the request's mirror at admission (adopt), so the first decode
+step proposes without computing the prompt.
 """
 from __future__ import annotations
 
@@ -26,10 +32,13 @@ DRAFT_STREAM = 0x5EED_D4AF  # the draft's draws at a position, apart from the ta
 
 class DraftModelDrafter:
     def __init__(self, runner: ModelRunner, pool: BlockPool, cache: RadixCache | None, block_size: int,
-                 model_id: str, sampler: Sampler):
+                 model_id: str, sampler: Sampler, chunk_tokens: int = 2048):
         self.runner, self.pool, self.cache = runner, pool, cache
         self.block_size, self.model_id, self.sampler = block_size, model_id, sampler
+        self.chunk_tokens = chunk_tokens  # export_prompt's pass size: the step budget bounds its activations
         self.mirrors: dict[str, Sequence] = {}
+        self.reserved: dict[str, list[int]] = {}  # decode role: blocks an incoming draft KV goes into
+        self.computed_tokens = 0  # tokens the draft model ran, prompts and proposals (stats)
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         props = [Proposal([]) for _ in seqs]
@@ -42,6 +51,7 @@ class DraftModelDrafter:
             batch.sort(key=lambda s: (s.num_new_tokens != 1, s.num_new_tokens))
             order = {id(s.seq): j for j, s in enumerate(batch)}
             logits = self.runner.run(batch)  # (B, V), rows in batch order
+            self.computed_tokens += sum(s.num_new_tokens for s in batch)
             for s in batch:
                 s.seq.num_computed += s.num_new_tokens
             rows = [order[id(m)] for _, m in live]
@@ -136,15 +146,68 @@ class DraftModelDrafter:
             self.cache.insert(hashes[i - 1] if i else self.cache.root.hash, hashes[i], m.block_table[i])
         m.num_registered_blocks = full
 
+    # -- draft KV shipped with the target's (disaggregated) ------------------------------
+    def export_prompt(self, seq: Sequence, num_tokens: int) -> torch.Tensor | None:
+        """Prefill role: the draft's KV of seq's first `num_tokens` tokens, (2, L', nb, bs, H', hd'),
+        computed now (from the draft's prefix cache where it hits) and copied out; its blocks go
+        back at once (full ones stay cached). None when the draft's pool has no room: the decode
+        side's draft then computes the prompt itself."""
+        m = Sequence(seq.request_id, seq.token_ids[:num_tokens], seq.params, seq.arrival, cache_salt=seq.cache_salt)
+        self._match_prefix(m)
+        need = -(-num_tokens // self.block_size) - len(m.block_table)
+        if need > 0 and not self.pool.can_allocate(need):
+            self.pool.release(m.block_table)
+            return None
+        m.block_table += self.pool.allocate(need) if need > 0 else []
+        while m.num_computed < m.num_tokens:  # the last chunk's one logits row is not needed
+            n = min(m.num_tokens - m.num_computed, self.chunk_tokens)
+            self.runner.run([ScheduledSeq(m, n)])
+            m.num_computed += n
+            self.computed_tokens += n
+        self._register(m)
+        kv = self.runner.read_blocks(m.block_table)
+        self.pool.release(m.block_table)
+        return kv
+
+    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Decode role: blocks for an incoming draft KV of `num_tokens` tokens; None when the
+        draft's pool has no room (the request then comes without its draft KV)."""
+        need = -(-num_tokens // self.block_size)
+        if request_id in self.reserved or request_id in self.mirrors or not self.pool.can_allocate(need):
+            return None
+        self.reserved[request_id] = self.pool.allocate(need)
+        return self.reserved[request_id]
+
+    def write(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        """Write a received draft KV into reserved blocks (which no mirror uses yet)."""
+        self.runner.write_blocks(block_ids, kv)
+
+    def adopt(self, seq: Sequence, num_tokens: int) -> None:
+        """Decode role, at admission: the request's reserved blocks, holding the draft's KV of its
+        first `num_tokens` tokens, become its mirror (the next _sync registers their full blocks
+        in the draft's prefix cache and computes only what follows)."""
+        blocks = self.reserved.pop(seq.request_id, None)
+        if blocks is None:
+            return
+        self.release(seq.request_id)
+        self.mirrors[seq.request_id] = Sequence(
+            seq.request_id, list(seq.prompt_token_ids), seq.params, seq.arrival,
+            token_ids=list(seq.token_ids[:num_tokens]), num_computed=num_tokens, block_table=blocks,
+            cache_salt=seq.cache_salt)
+
     def release(self, request_id: str) -> None:
         m = self.mirrors.pop(request_id, None)
         if m is not None:
             self.pool.release(m.block_table)
             m.block_table = []
+        reserved = self.reserved.pop(request_id, None)
+        if reserved is not None:
+            self.pool.release(reserved)
 
     def stats(self) -> dict:
         return {"draft_num_blocks": self.pool.num_blocks, "draft_free_blocks": self.pool.num_free,
-                "draft_referenced_blocks": self.pool.num_referenced, "draft_requests": len(self.mirrors)}
+                "draft_referenced_blocks": self.pool.num_referenced,
+                "draft_requests": len(self.mirrors) + len(self.reserved), "draft_computed_tokens": self.computed_tokens}
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

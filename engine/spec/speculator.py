@@ -148,6 +148,22 @@ def build_speculator(cfg: EngineConfig, target: ModelConfig, pool: BlockPool, sa
                       cfg.scheduler.max_num_batched_tokens)
 
 
+def build_draft_kv(cfg: EngineConfig, target: ModelConfig, pool: BlockPool, sampler: Sampler,
+                   speculator: Speculator | None):
+    """The draft model whose prompt KV this engine exports (prefill role: a draft of its own, that
+    only prefills) or imports (decode role: its speculator's) with the target's KV, or None:
+    speculative.draft_kv is not "ship", or there is no draft model."""
+    from engine.spec.draft_model import DraftModelDrafter
+
+    spec = cfg.speculative
+    if spec.method != "draft" or spec.draft_kv != "ship" or cfg.role == Role.MIXED:
+        return None
+    if cfg.role == Role.PREFILL:
+        return _draft_model(cfg, target, pool.num_blocks, sampler)
+    drafter = speculator.drafter if speculator is not None else None
+    return drafter if isinstance(drafter, DraftModelDrafter) else None
+
+
 def _draft_model(cfg: EngineConfig, target: ModelConfig, target_blocks: int, sampler: Sampler):
     from engine.engine_setup import build_parts
     from engine.spec.draft_model import DraftModelDrafter
@@ -163,7 +179,8 @@ def _draft_model(cfg: EngineConfig, target: ModelConfig, target_blocks: int, sam
         raise ValueError(f"speculative.draft_model {spec.draft_model!r} has a vocabulary of "
                          f"{parts.model_config.vocab_size} tokens, the target {target.vocab_size}: a draft "
                          "model must share the target's vocabulary (its tokenizer)")
-    return DraftModelDrafter(parts.runner, parts.pool, parts.cache, cfg.cache.block_size, parts.model_id, sampler)
+    return DraftModelDrafter(parts.runner, parts.pool, parts.cache, cfg.cache.block_size, parts.model_id, sampler,
+                             cfg.scheduler.max_num_batched_tokens)
 
 
 

@@ -47,6 +47,11 @@ def _last(out, chunk: Chunk) -> None:
         out.usage.prompt_tokens, out.usage.completion_tokens = u.prompt_tokens, u.completion_tokens
         out.usage.cached_tokens = u.cached_tokens
         out.usage.cached_by_tier.update(u.cached_by_tier or {})
+        if u.spec_draft_tokens:  # speculative decoding ran (as the HTTP usage's "speculative")
+            s = out.usage.speculative
+            s.draft_tokens, s.accepted_tokens = u.spec_draft_tokens, u.spec_accepted_tokens
+            s.verify_steps = u.spec_steps
+            s.acceptance_rate, s.accepted_per_step = u.spec_acceptance_rate, u.spec_accepted_per_step
     if chunk.timing is not None:
         t = chunk.timing
         out.timing.queue_s, out.timing.prefill_s, out.timing.transfer_s = t.queue_s, t.prefill_s, t.transfer_s

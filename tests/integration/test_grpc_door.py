@@ -7,6 +7,7 @@ a stand-in, scripted per test.
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import threading
@@ -21,6 +22,7 @@ from brigade_client import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    SpeculativeUsage,
     Unauthenticated,
     Unavailable,
 )
@@ -50,6 +52,7 @@ class StandIn:
         self.fail: list[Exception] = []  # raised by the next calls, in order, before any chunk
         self.fail_mid_stream: Exception | None = None
         self.healthy = True
+        self.spec: tuple[int, int, int] = (0, 0, 0)  # the usage's (draft, accepted, verify steps) tokens
 
     def tokenize(self, prompt):
         return [7] * len(prompt) if isinstance(prompt, str) else prompt
@@ -72,7 +75,7 @@ class StandIn:
             yield Chunk(req.request_id, [t], f"t{t}")
             if self.fail_mid_stream is not None:
                 raise self.fail_mid_stream
-        yield Chunk(req.request_id, [3], "t3", True, "length", Usage(len(req.prompt_token_ids), 3, 0),
+        yield Chunk(req.request_id, [3], "t3", True, "length", Usage(len(req.prompt_token_ids), 3, 0, {}, *self.spec),
                     timing=Timing(ttft_s=0.01, total_s=0.02), decode_worker="decode-0")
 
     async def health(self):
@@ -339,6 +342,19 @@ def test_unset_sampling_fields_keep_the_engine_defaults(door) -> None:
     default, explicit = (r.params for r in backend.calls)
     assert (default.temperature, default.top_k, default.max_tokens) == (1.0, -1, 16)
     assert (explicit.temperature, explicit.top_k, explicit.max_tokens, explicit.stop) == (0.0, 0, 5, ("x",))
+
+
+def test_usage_carries_the_speculative_counters_when_speculation_ran(door, capsys) -> None:
+    server, backend = door
+    with Client(server.address) as client:
+        assert client.generate("hi").usage.speculative is None  # it did not run: no counters, as over HTTP
+        backend.spec = (8, 6, 3)
+        want = SpeculativeUsage(draft_tokens=8, accepted_tokens=6, verify_steps=3, acceptance_rate=0.75,
+                                accepted_per_step=2.0)
+        assert client.generate("hi").usage.speculative == want
+        assert list(client.stream("hi"))[-1].usage.speculative == want
+    assert client_cli.main(["generate", "--target", server.address, "--usage", "hi"]) == 0
+    assert json.loads(capsys.readouterr().err)["usage"]["speculative"]["acceptance_rate"] == 0.75
 
 
 # -- health --------------------------------------------------------------------------------------

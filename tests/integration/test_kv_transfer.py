@@ -22,6 +22,7 @@ from kv_transfer import (
     ChannelClosed,
     ChecksumAlgo,
     ChecksumMismatch,
+    DraftSection,
     HeaderError,
     KVLayout,
     KVTransferError,
@@ -32,8 +33,10 @@ from kv_transfer import (
     TransferRefused,
     TransferServer,
     TransferTimeout,
+    check_draft,
     connect,
     decode_header,
+    draft_model_key,
     encode_header,
     inprocess_pair,
     payload_checksum,
@@ -81,12 +84,44 @@ def test_header_round_trip_is_exact():
     assert make_header().payload_shape == (2, 2, 3, 16, 4, 64)
 
 
+DRAFT_LAYOUT = KVLayout("tiny-draft", num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, dtype=torch.float32)
+
+
+def make_draft(**overrides) -> DraftSection:
+    """The draft section of make_header()'s 33 tokens: 1 layer, 2 heads of 32, bf16."""
+    fields = dict(model_key=draft_model_key("tiny-draft"), num_layers=1, num_kv_heads=2, head_dim=32,
+                  dtype=torch.bfloat16, num_tokens=33, num_blocks=3, payload_nbytes=2 * 1 * 3 * 16 * 2 * 32 * 2,
+                  checksum=0x0123_4567_89AB_CDEF)
+    return DraftSection(**(fields | overrides))
+
+
+def test_a_header_with_a_draft_section_is_version_2_and_round_trips():
+    header = make_header(draft=make_draft())
+    data = encode_header(header)
+    assert struct.unpack_from("<H", data, 8) == (2,) and decode_header(data) == header
+    assert header.draft.payload_shape(header.block_size) == (2, 1, 3, 16, 2, 32)
+    # Without one it stays version 1: a decode worker from before draft KV still reads it.
+    assert struct.unpack_from("<H", encode_header(make_header()), 8) == (1,)
+    assert decode_header(encode_header(make_header())).draft is None
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(num_tokens=34, num_blocks=3), "1..33"),
+    (dict(num_blocks=2), "need 3 blocks"),
+    (dict(payload_nbytes=12), "draft_payload_nbytes"),
+    (dict(num_layers=0), "draft layers"),
+])
+def test_a_draft_section_whose_counts_disagree_is_refused(overrides, message):
+    with pytest.raises(HeaderError, match=message):
+        make_header(draft=make_draft(**overrides))
+
+
 @pytest.mark.parametrize("mangle, message", [
     (lambda d: d[:-1], "truncated"),
     (lambda d: d[:100], "truncated"),
     (lambda d: d + b"\x00", "expected 512"),
     (lambda d: b"NOTKVHDR" + d[8:], "bad magic"),
-    (lambda d: d[:8] + struct.pack("<H", 2) + d[10:], "version 2"),
+    (lambda d: d[:8] + struct.pack("<H", 3) + d[10:], "version 3"),
     (lambda d: d[:200] + bytes([d[200] ^ 1]) + d[201:], "crc32"),
 ])
 def test_decode_rejects_bad_headers(mangle, message):
@@ -213,6 +248,50 @@ def test_inprocess_corrupted_payload_is_rejected_and_the_pair_stays_usable():
     assert torch.equal(kv, make_kv(4, 7))  # the hook corrupts a copy, never the caller's tensor
     run_sender(lambda: tx.send("good", kv, 7))
     assert torch.equal(rx.receive()[1], kv)
+
+
+def draft_pair():
+    tx, rx = inprocess_pair(LAYOUT)
+    tx.draft_layout = rx.draft_layout = DRAFT_LAYOUT
+    return tx, rx
+
+
+def test_inprocess_pair_moves_draft_kv_with_the_target_kv():
+    tx, rx = draft_pair()
+    kv, draft = make_kv(1, 10), make_kv(2, 10, DRAFT_LAYOUT)
+    sent = run_sender(lambda: tx.send("a", kv, 10, draft_kv=draft))
+    header = rx.recv_header()
+    assert header.draft.num_tokens == 10 and header.draft.num_blocks == 3
+    assert check_draft(header, DRAFT_LAYOUT) is None
+    assert "another draft model" in check_draft(header, replace(DRAFT_LAYOUT, model_id="other"))
+    draft_out = rx.draft_buffer(header)
+    got = rx.recv_payload(header, draft_out=draft_out)
+    assert torch.equal(got, kv) and torch.equal(draft_out, draft) and sent.result(5) == header
+    assert tx.stats.payloads == rx.stats.payloads == 2
+
+    # Declined (no room for it): only the target's KV comes; the pair stays in step.
+    sent = run_sender(lambda: tx.send("b", kv, 10, draft_kv=draft))
+    assert torch.equal(rx.recv_payload(rx.recv_header()), kv)
+    sent.result(5)
+    assert tx.stats.payloads == rx.stats.payloads == 3
+    run_sender(lambda: tx.send("c", make_kv(3, 5), 5))
+    assert torch.equal(rx.receive()[1], make_kv(3, 5))
+
+
+def test_inprocess_corrupted_draft_payload_is_rejected_and_the_pair_stays_usable():
+    tx, rx = draft_pair()
+    kv, draft = make_kv(4, 7), make_kv(5, 7, DRAFT_LAYOUT)
+    tx.corrupt_next_draft_payload = True
+    sent = run_sender(lambda: tx.send("bad", kv, 7, draft_kv=draft))
+    header = rx.recv_header()
+    with pytest.raises(ChecksumMismatch, match="'bad': draft payload"):
+        rx.recv_payload(header, draft_out=rx.draft_buffer(header))
+    sent.result(5)
+    assert rx.stats.checksum_failures == 1
+    run_sender(lambda: tx.send("good", kv, 7, draft_kv=draft))
+    header = rx.recv_header()
+    out = rx.draft_buffer(header)
+    assert torch.equal(rx.recv_payload(header, draft_out=out), kv) and torch.equal(out, draft)
 
 
 def test_inprocess_sender_checks_its_own_layout():

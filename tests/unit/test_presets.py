@@ -18,6 +18,7 @@ EXPECTED_SHA256 = {
     "tiny-moe": "336e8eca5209f8f4abd56888248f87a24b989dcbba0340711f67c262881f9ea0",
     "bench": "e50096c8475d210d37a45407e0676dfa1e5344306760beb17ffe00d7f7d125e1",
     "tiny-draft": "d12948f41fd15078bed3d44a4f5678d3d219ad5f82bc18f59433ab0512cd8e76",
+    "bench-draft": "09f8f1102bf46e3c5d7e9812c0078695a58bb7a667b17a07a9098e868979d557",
 }
 TEXTS = [
     "Hello, world!",

@@ -149,6 +149,47 @@ def test_decode_role_speculates_from_its_first_step(baseline) -> None:
     assert_pool_clean(pre)
 
 
+def test_shipped_draft_kv_lets_the_decode_draft_skip_the_prompt(baseline) -> None:
+    """speculative.draft_kv "ship": the prefill engine's own draft computes the prompt's draft KV,
+    which goes with the target's; the decode engine's draft adopts it and computes no prompt."""
+    from engine import Role
+
+    ship = DRAFTERS["draft"].model_copy(update={"draft_kv": "ship"})
+    pre, dec = engine(ship, role=Role.PREFILL), engine(ship, role=Role.DECODE)
+    assert pre.speculator is None and pre.draft_kv is not None and dec.draft_kv is dec.speculator.drafter
+    for round_ in range(2):  # the second round hits the prefill side's draft prefix cache
+        for i, p in enumerate(prompts()):
+            pre.add_request(f"r{round_}-{i}", p, greedy(20))
+        while pre.has_unfinished():
+            pre.step()
+        for i, p in enumerate(prompts()):
+            export = pre.export_kv(f"r{round_}-{i}")
+            assert export.draft_kv is not None and export.draft_kv.shape[2] == -(-len(p) // pre.block_size)
+            dec.import_kv(export, greedy(20))
+            assert dec.draft_kv.mirrors[f"r{round_}-{i}"].num_computed == len(p)  # nothing left to catch up
+        done = run_all(dec)
+        assert [done[f"r{round_}-{i}"].token_ids for i in range(8)] == baseline
+        assert all(done[f"r{round_}-{i}"].usage.spec_steps > 0 for i in range(8))
+        assert_clean(dec)
+    assert pre.draft_kv.cache.stats.hit_blocks > 0
+    assert_pool_clean(pre)
+    assert pre.draft_kv.pool.num_referenced == 0 and pre.stats()["draft_requests"] == 0
+
+
+def test_draft_kv_recompute_and_aborted_reservations_leak_nothing() -> None:
+    from engine import Role
+
+    recompute = DRAFTERS["draft"].model_copy(update={"draft_kv": "recompute"})
+    assert engine(recompute, role=Role.PREFILL).draft_kv is None
+    assert engine(recompute, role=Role.DECODE).draft_kv is None
+    dec = engine(DRAFTERS["draft"], role=Role.DECODE)
+    for rid in ("a", "b"):
+        dec.reserve(rid, 9)
+        assert dec.reserve_draft(rid, 9) is not None and dec.stats()["draft_requests"] == 1
+        assert dec.abort(rid) is None  # a reservation only: both pools whole again
+        assert_clean(dec)
+
+
 def test_large_batches_do_not_speculate() -> None:
     eng = engine(DRAFTERS["ngram"].model_copy(update={"max_batch": 2}))
     outs = run(eng, prompts(), [greedy(20)] * 8)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x62rigade_client/v1/brigade.proto\x12\nbrigade.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.brigade.v1.ChatMessage\"\xca\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x03\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x07\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x0b\n\t_logprobs\"\x8b\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.brigade.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x18.brigade.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.brigade.v1.SamplingParams\x12\r\n\x05model\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12\x12\n\nsession_id\x18\t \x01(\tB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.brigade.v1.TopLogprob\"\xc2\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x15\n\rcached_tokens\x18\x03 \x01(\x03\x12;\n\x0e\x63\x61\x63hed_by_tier\x18\x04 \x03(\x0b\x32#.brigade.v1.Usage.CachedByTierEntry\x1a\x33\n\x11\x43\x61\x63hedByTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x8d\x01\n\x06Timing\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x04 \x01(\x03\x12\x0e\n\x06ttft_s\x18\x05 \x01(\x01\x12\x0f\n\x07total_s\x18\x06 \x01(\x01\x12\x12\n\nrecomputed\x18\x07 \x01(\x08\"\x8e\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.brigade.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12 \n\x05usage\x18\x07 \x01(\x0b\x32\x11.brigade.v1.Usage\x12\"\n\x06timing\x18\x08 \x01(\x0b\x32\x12.brigade.v1.Timing\x12\x16\n\x0eprefill_worker\x18\t \x01(\t\x12\x15\n\rdecode_worker\x18\n \x01(\t\"\xff\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.brigade.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.brigade.v1.Usage\x12\"\n\x06timing\x18\x07 \x01(\x0b\x32\x12.brigade.v1.Timing\x12\x16\n\x0eprefill_worker\x18\x08 \x01(\t\x12\x15\n\rdecode_worker\x18\t \x01(\t\"\x13\n\x11ListModelsRequest\">\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x03\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.brigade.v1.Model\"T\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x18.brigade.v1.ChatMessagesH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t2\xfc\x02\n\x07\x42rigade\x12\x44\n\x08Generate\x12\x1b.brigade.v1.GenerateRequest\x1a\x19.brigade.v1.GenerateChunk0\x01\x12J\n\rGenerateUnary\x12\x1b.brigade.v1.GenerateRequest\x1a\x1c.brigade.v1.GenerateResponse\x12K\n\nListModels\x12\x1d.brigade.v1.ListModelsRequest\x1a\x1e.brigade.v1.ListModelsResponse\x12\x45\n\x08Tokenize\x12\x1b.brigade.v1.TokenizeRequest\x1a\x1c.brigade.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.brigade.v1.DetokenizeRequest\x1a\x1e.brigade.v1.DetokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x62rigade_client/v1/brigade.proto\x12\nbrigade.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.brigade.v1.ChatMessage\"\xca\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x03\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x07\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x0b\n\t_logprobs\"\x8b\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.brigade.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x18.brigade.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.brigade.v1.SamplingParams\x12\r\n\x05model\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12\x12\n\nsession_id\x18\t \x01(\tB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.brigade.v1.TopLogprob\"\xf5\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x15\n\rcached_tokens\x18\x03 \x01(\x03\x12;\n\x0e\x63\x61\x63hed_by_tier\x18\x04 \x03(\x0b\x32#.brigade.v1.Usage.CachedByTierEntry\x12\x31\n\x0bspeculative\x18\x05 \x01(\x0b\x32\x1c.brigade.v1.SpeculativeUsage\x1a\x33\n\x11\x43\x61\x63hedByTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x8b\x01\n\x10SpeculativeUsage\x12\x14\n\x0c\x64raft_tokens\x18\x01 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\x03\x12\x14\n\x0cverify_steps\x18\x03 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x01\x12\x19\n\x11\x61\x63\x63\x65pted_per_step\x18\x05 \x01(\x01\"\x8d\x01\n\x06Timing\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x04 \x01(\x03\x12\x0e\n\x06ttft_s\x18\x05 \x01(\x01\x12\x0f\n\x07total_s\x18\x06 \x01(\x01\x12\x12\n\nrecomputed\x18\x07 \x01(\x08\"\x8e\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.brigade.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12 \n\x05usage\x18\x07 \x01(\x0b\x32\x11.brigade.v1.Usage\x12\"\n\x06timing\x18\x08 \x01(\x0b\x32\x12.brigade.v1.Timing\x12\x16\n\x0eprefill_worker\x18\t \x01(\t\x12\x15\n\rdecode_worker\x18\n \x01(\t\"\xff\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.brigade.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.brigade.v1.Usage\x12\"\n\x06timing\x18\x07 \x01(\x0b\x32\x12.brigade.v1.Timing\x12\x16\n\x0eprefill_worker\x18\x08 \x01(\t\x12\x15\n\rdecode_worker\x18\t \x01(\t\"\x13\n\x11ListModelsRequest\">\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x03\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.brigade.v1.Model\"T\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x18.brigade.v1.ChatMessagesH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t2\xfc\x02\n\x07\x42rigade\x12\x44\n\x08Generate\x12\x1b.brigade.v1.GenerateRequest\x1a\x19.brigade.v1.GenerateChunk0\x01\x12J\n\rGenerateUnary\x12\x1b.brigade.v1.GenerateRequest\x1a\x1c.brigade.v1.GenerateResponse\x12K\n\nListModels\x12\x1d.brigade.v1.ListModelsRequest\x1a\x1e.brigade.v1.ListModelsResponse\x12\x45\n\x08Tokenize\x12\x1b.brigade.v1.TokenizeRequest\x1a\x1c.brigade.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.brigade.v1.DetokenizeRequest\x1a\x1e.brigade.v1.DetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,29 +48,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENLOGPROB']._serialized_start=829
   _globals['_TOKENLOGPROB']._serialized_end=915
   _globals['_USAGE']._serialized_start=918
-  _globals['_USAGE']._serialized_end=1112
-  _globals['_USAGE_CACHEDBYTIERENTRY']._serialized_start=1061
-  _globals['_USAGE_CACHEDBYTIERENTRY']._serialized_end=1112
-  _globals['_TIMING']._serialized_start=1115
-  _globals['_TIMING']._serialized_end=1256
-  _globals['_GENERATECHUNK']._serialized_start=1259
-  _globals['_GENERATECHUNK']._serialized_end=1529
-  _globals['_GENERATERESPONSE']._serialized_start=1532
-  _globals['_GENERATERESPONSE']._serialized_end=1787
-  _globals['_LISTMODELSREQUEST']._serialized_start=1789
-  _globals['_LISTMODELSREQUEST']._serialized_end=1808
-  _globals['_MODEL']._serialized_start=1810
-  _globals['_MODEL']._serialized_end=1872
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1874
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1929
-  _globals['_TOKENIZEREQUEST']._serialized_start=1931
-  _globals['_TOKENIZEREQUEST']._serialized_end=2015
-  _globals['_TOKENIZERESPONSE']._serialized_start=2017
-  _globals['_TOKENIZERESPONSE']._serialized_end=2054
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2056
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2094
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2096
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2130
-  _globals['_BRIGADE']._serialized_start=2133
-  _globals['_BRIGADE']._serialized_end=2513
+  _globals['_USAGE']._serialized_end=1163
+  _globals['_USAGE_CACHEDBYTIERENTRY']._serialized_start=1112
+  _globals['_USAGE_CACHEDBYTIERENTRY']._serialized_end=1163
+  _globals['_SPECULATIVEUSAGE']._serialized_start=1166
+  _globals['_SPECULATIVEUSAGE']._serialized_end=1305
+  _globals['_TIMING']._serialized_start=1308
+  _globals['_TIMING']._serialized_end=1449
+  _globals['_GENERATECHUNK']._serialized_start=1452
+  _globals['_GENERATECHUNK']._serialized_end=1722
+  _globals['_GENERATERESPONSE']._serialized_start=1725
+  _globals['_GENERATERESPONSE']._serialized_end=1980
+  _globals['_LISTMODELSREQUEST']._serialized_start=1982
+  _globals['_LISTMODELSREQUEST']._serialized_end=2001
+  _globals['_MODEL']._serialized_start=2003
+  _globals['_MODEL']._serialized_end=2065
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2067
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2122
+  _globals['_TOKENIZEREQUEST']._serialized_start=2124
+  _globals['_TOKENIZEREQUEST']._serialized_end=2208
+  _globals['_TOKENIZERESPONSE']._serialized_start=2210
+  _globals['_TOKENIZERESPONSE']._serialized_end=2247
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2249
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2287
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2289
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2323
+  _globals['_BRIGADE']._serialized_start=2326
+  _globals['_BRIGADE']._serialized_end=2706
 # @@protoc_insertion_point(module_scope)
