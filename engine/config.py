@@ -99,7 +99,7 @@ class SpeculativeConfig(_Frozen):
     # Disaggregated, method draft: "ship": the prefill worker also prefills the draft model and
     # sends the draft's prompt KV with the target's (the decode worker proposes from its first
     # step without computing the prompt); "recompute": the decode worker's draft computes the
-    # prompt itself on the request's first decode step. See docs/ARCHITECTURE.md for the measurement.
+    # prompt itself on the request's first decode step. Compared by spec_bench.py (raw.disagg_draft_kv).
     draft_kv: Literal["ship", "recompute"] = "ship"
 
     @model_validator(mode="after")
