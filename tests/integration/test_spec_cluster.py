@@ -1,9 +1,11 @@
 """Speculative decoding in a disaggregated cluster (real Ray, real gloo, the `tiny` preset).
 
 The prefill worker never speculates; the decode worker receives the target's KV and first
-token, and its draft model prefills the prompt itself on the request's first decode step (the
-draft's KV is not shipped). Greedy tokens must equal the plain single-process engine's, and
-both of the decode worker's pools (target and draft) must be whole afterwards.
+token. With speculative.draft_kv "ship" the prefill worker's draft also computes the prompt's
+draft KV and it comes over the same channel; with "recompute" the decode worker's draft model
+prefills the prompt itself on the request's first decode step. Greedy tokens must equal the
+plain single-process engine's, and every pool (target and draft, on both workers) must be
+whole afterwards.
 """
 from __future__ import annotations
 
@@ -29,12 +31,14 @@ def draft_pool_whole(stats: dict) -> bool:
 
 
 @pytest.mark.timeout(300)
-def test_disaggregated_speculation_gives_the_engines_tokens(ray_cluster):
+@pytest.mark.parametrize("draft_kv", ["ship", "recompute"])
+def test_disaggregated_speculation_gives_the_engines_tokens(ray_cluster, draft_kv):
     ids = list(range(0, len(PROMPTS), 2))
     engine = LLMEngine(EngineConfig(model="tiny", dtype="float32", num_threads=1,
                                     cache=CacheConfig(num_blocks=NUM_BLOCKS)))
     want = [o.token_ids for o in engine.generate([PROMPTS[i] for i in ids], [PARAMS[i] for i in ids])]
-    cluster = ray_cluster(prefill=1, decode=1, engine={"cache": {"num_blocks": NUM_BLOCKS}, "speculative": SPEC})
+    cluster = ray_cluster(prefill=1, decode=1, engine={"cache": {"num_blocks": NUM_BLOCKS},
+                                                       "speculative": SPEC | {"draft_kv": draft_kv}})
 
     async def main():
         return await asyncio.gather(*(collect(cluster.router, f"spec-{i}", PROMPTS[i], PARAMS[i]) for i in ids))
@@ -50,4 +54,13 @@ def test_disaggregated_speculation_gives_the_engines_tokens(ray_cluster):
         stats = cluster.stats()
         return stats if all(pool_whole(s) and draft_pool_whole(s) for s in stats.values()) else None
     stats = wait_for(whole, 10, "every pool whole, the draft's too")
-    assert "draft_num_blocks" in stats["decode-0"] and "draft_num_blocks" not in stats["prefill-0"]
+    assert "draft_num_blocks" in stats["decode-0"]
+    # The prefill worker has a draft model only to ship its KV; the decode worker's then runs no prompt.
+    assert ("draft_num_blocks" in stats["prefill-0"]) == (draft_kv == "ship")
+    prompt_tokens = sum(len(PROMPTS[i]) for i in ids)
+    if draft_kv == "ship":
+        assert 0 < stats["prefill-0"]["draft_computed_tokens"] <= prompt_tokens
+        assert stats["decode-0"]["draft_computed_tokens"] < prompt_tokens  # proposals only
+    else:
+        assert stats["decode-0"]["draft_computed_tokens"] > prompt_tokens
+    cluster.shutdown()
