@@ -176,4 +176,3 @@ class PrefillWorker(EngineWorker):
         for decode_id in list(self.channels):
             self.disconnect(decode_id)
         self.close_engine()
-
