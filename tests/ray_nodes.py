@@ -125,8 +125,14 @@ class RayNodes:
 
     @property
     def env(self) -> dict[str, str]:
-        """What every process of the cluster (nodes, drivers) needs: token auth on, its token."""
-        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token, "RAY_USAGE_STATS_ENABLED": "0"}
+        """What every process of the cluster (nodes, drivers) needs: token auth on, its token, and
+        multi-node clusters allowed. The last is Ray's own default on Linux, but a local Ray
+        started earlier in this pytest process (cluster.launch._keep_ray_on_loopback, under every
+        ray_cluster module) set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 in its environment, and a
+        `ray start --address` inheriting that refuses to join ("Multi-node Ray clusters are not
+        supported on Windows and OSX")."""
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token, "RAY_USAGE_STATS_ENABLED": "0",
+                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
 
     @contextlib.contextmanager
     def client(self) -> Iterator[None]:
