@@ -6,7 +6,7 @@ neither of which blocks the loop.
 
 Tokenizing and validating need only the checkpoint's tokenizer.json and config.json (no
 weights, no engine), so a bad request is refused here with the engine's own message
-(`engine.llm_engine.check_request`) before it costs the router or a worker anything. The KV
+(`engine.request_checks.check_request`) before it costs the router or a worker anything. The KV
 pool size is the smallest any worker reported at start.
 """
 from __future__ import annotations
@@ -24,10 +24,10 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from cluster.config import ClusterConfig
 from engine.engine_setup import context_length, model_id_for
-from engine.llm_engine import check_request
 from engine.messages import STREAM_WINDOW_CHUNKS, Chunk, GenerateRequest
 from engine.model_config import ModelConfig
 from engine.presets import resolve_model
+from engine.request_checks import check_request
 from engine.sampling import InvalidRequest, SamplingParams
 from engine.tokenizer import Tokenizer, chat_token_ids, prompt_token_ids
 from router.errors import NoWorker

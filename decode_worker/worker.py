@@ -317,7 +317,8 @@ class DecodeWorker(EngineWorker):
     async def _stream(self, request_id: str) -> AsyncIterator[OutputStream]:
         """A request's output stream, known to cancel() while it lasts; a request that leaves
         before its stream finished (cancelled, failed) is aborted here, freeing its KV."""
-        stream = self.streams[request_id] = OutputStream()
+        hold = lambda held: self.loop.call(lambda engine: engine.hold(request_id, held))  # noqa: E731
+        stream = self.streams[request_id] = OutputStream(hold)
         try:
             yield stream
         finally:

@@ -112,7 +112,7 @@ class EngineLoop:
 
     def _serve(self) -> None:
         while not self._stop.is_set():
-            idle = not self.engine.has_unfinished()
+            idle = not self.engine.has_runnable()
             try:
                 fn, fut = self._inbox.get(timeout=0.05) if idle else self._inbox.get_nowait()
                 self._run_call(fn, fut)
@@ -120,7 +120,7 @@ class EngineLoop:
                     self._run_call(*self._inbox.get_nowait())
             except queue.Empty:
                 pass
-            if self.engine.has_unfinished() or self._fault is not None:
+            if self.engine.has_runnable() or self._fault is not None:
                 self._step()
 
     def _run_call(self, fn: Callable, fut: Future) -> None:

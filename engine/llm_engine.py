@@ -21,6 +21,7 @@ from engine.config import EngineConfig, Role
 from engine.engine_setup import EngineParts, build_parts
 from engine.outputs import KVExport, RequestOutput, Usage
 from engine.radix_cache import CacheStats
+from engine.request_checks import check_fits, check_request
 from engine.sampler import token_logprobs
 from engine.sampling import InvalidRequest, SamplingParams, TokenLogprobs
 from engine.scheduler import ScheduledSeq
@@ -109,6 +110,10 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending)
 
+    def has_runnable(self) -> bool:
+        """A step would do something: unlike has_unfinished, False when every request is held."""
+        return self.scheduler.has_runnable() or bool(self._pending)
+
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is and free its blocks. None if unknown or done."""
         if request_id in self.reservations:
@@ -129,6 +134,13 @@ class LLMEngine:
                 self.hicache.forget(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
         return self._finish_output(seq, [])
+
+    def hold(self, request_id: str, held: bool) -> None:
+        """Pause (True) or resume a request's decoding, keeping its KV: backpressure from a
+        reader that fell behind. Unknown or finished requests are ignored."""
+        seq = self.seqs.get(request_id)
+        if seq is not None:
+            seq.held = held
 
     # -- the loop ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -421,6 +433,7 @@ class LLMEngine:
             "num_blocks": self.pool.num_blocks, "free_blocks": self.pool.num_free,
             "referenced_blocks": self.pool.num_referenced, "cached_blocks": len(self.cache) if self.cache else 0,
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "held": sum(seq.held for seq in self.scheduler.running),
             "prefilled": len(self.prefilled), "reserved": len(self.reservations),
             "preemptions": self.scheduler.num_preemptions,
             "prefix_hit_rate": cs.hit_rate, "evicted_blocks": cs.evicted_blocks,
@@ -434,53 +447,6 @@ class LLMEngine:
         if self.hicache is not None:
             self.hicache.close()
         self.runner.close()
-
-
-def check_request(token_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
-                  block_size: int, num_blocks: int) -> None:
-    """Raise InvalidRequest naming the field if the request can never run on an engine of this
-    shape. The request's one check, where it is built: the cluster's doors (Backend.validate,
-    where no engine lives), or LLMEngine.add_request / import_kv when the engine is used
-    directly. Workers trust the GenerateRequest and run only check_fits, on their own pool."""
-    if not token_ids:
-        raise InvalidRequest("prompt", "prompt is empty")
-    check_token_range(token_ids, vocab_size)
-    if len(token_ids) >= max_model_len:
-        raise InvalidRequest("prompt", f"prompt has {len(token_ids)} tokens; this model's context is "
-                                       f"{max_model_len} (prompt + output must fit)")
-    total = len(token_ids) + params.max_tokens
-    if total > max_model_len:
-        raise InvalidRequest("max_tokens", f"prompt ({len(token_ids)}) + max_tokens ({params.max_tokens}) "
-                                           f"exceeds the context length {max_model_len}")
-    if params.top_k > vocab_size:
-        raise InvalidRequest("top_k", f"must be at most the vocabulary size {vocab_size}, got {params.top_k}")
-    bad = [t for t in params.stop_token_ids if t >= vocab_size]
-    if bad:
-        raise InvalidRequest("stop_token_ids", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-    if params.resumed_tokens >= len(token_ids):
-        raise InvalidRequest("resumed_tokens", f"{params.resumed_tokens} resumed tokens leave no prompt of the "
-                                               f"{len(token_ids)} tokens")
-    check_fits(token_ids, params, block_size=block_size, num_blocks=num_blocks, vocab_size=vocab_size)
-
-
-def check_token_range(token_ids: list[int], vocab_size: int) -> None:
-    bad = [t for t in token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequest("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-
-
-def check_fits(token_ids: list[int], params: SamplingParams, *, block_size: int, num_blocks: int,
-               vocab_size: int) -> None:
-    """Raise InvalidRequest if the prompt and its whole output can never be in a pool of
-    `num_blocks`: the part of the request check a worker runs, since only it knows its pool. The
-    token range again too (cheap): an id outside the embedding would fail the forward pass of
-    the whole batch, so a request that reached a worker without a door's check cannot kill it."""
-    if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
-        check_token_range(token_ids, vocab_size)
-    total = len(token_ids) + params.max_tokens
-    if -(-total // block_size) > num_blocks:
-        raise InvalidRequest("max_tokens", f"needs {-(-total // block_size)} KV blocks; "
-                                           f"the pool has {num_blocks}")
 
 
 def _holdback(params: SamplingParams) -> int:

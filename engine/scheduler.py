@@ -4,7 +4,8 @@ Each step: running sequences first (decodes and unfinished prompt chunks, oldest
 then waiting ones while the token budget, the sequence cap and free blocks allow. When a
 running sequence needs a block and none is free, the newest running sequence is
 preempted: its blocks are released (full ones stay in the prefix cache) and it waits to
-be recomputed.
+be recomputed. A held sequence (its reader is behind) keeps its place and its blocks but is
+not scheduled, so a client that stops reading stops its request's decoding, not the batch.
 """
 from __future__ import annotations
 
@@ -57,6 +58,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_runnable(self) -> bool:
+        """Something to schedule: held sequences alone leave the engine idle, not spinning."""
+        return bool(self.waiting) or any(not seq.held for seq in self.running)
+
     def schedule(self) -> list[ScheduledSeq]:
         """Choose this step's work and allocate its blocks. Decodes (one new token) come first,
         shortest context first; then prefill chunks in scheduling order."""
@@ -75,7 +80,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self._chunk(seq, seq.num_tokens - seq.num_computed, budget)
+            n = 0 if seq.held else self._chunk(seq, seq.num_tokens - seq.num_computed, budget)
             if n == 0:
                 i += 1
                 continue

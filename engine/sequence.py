@@ -33,6 +33,8 @@ class Sequence:
     logprobs: list[TokenLogprobs] | None = None
     num_preemptions: int = 0
     cache_salt: str | None = None  # roots the hash chain (engine.block_hash.salted_root)
+    # Its reader is behind (LLMEngine.hold): not scheduled, its KV kept, until released.
+    held: bool = False
     # Speculative decoding (engine.spec): tokens proposed, proposals accepted, verification steps.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0

@@ -25,9 +25,9 @@ import pytest
 from invalid_cases import HTTP_CASES, Limits
 from support import wait_for
 
-from engine.llm_engine import check_request
 from engine.messages import Chunk
 from engine.outputs import Usage
+from engine.request_checks import check_request
 from engine.sampling import InvalidRequest, TokenLogprobs
 from router.auth import Authenticator
 from router.config import FrontDoorConfig

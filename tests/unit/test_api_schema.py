@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.llm_engine import check_request
+from engine.request_checks import check_request
 from engine.sampling import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 from router.http.api_schema import openapi_document, request_models
 from router.http.openai_format import parse_chat, parse_completion

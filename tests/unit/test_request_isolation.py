@@ -201,7 +201,7 @@ def test_a_loop_that_breaks_fails_pending_calls_with_engine_died(engine: LLMEngi
 
         def boom() -> bool:
             raise RuntimeError("bookkeeping bug")
-        engine.has_unfinished = boom  # read by the loop thread between calls and steps
+        engine.has_runnable = boom  # read by the loop thread between calls and steps
         with pytest.raises(EngineDied):
             running.result(timeout=30)
         with pytest.raises(EngineDied):
