@@ -2,7 +2,11 @@
 in the same benchmark run (benchmarks/_sim_validate.py has the pieces).
 
 1. Calibrate: `brigade sim calibrate` fits the "this machine" profile (one torch thread: every
-   real worker below gets one, `--num-cpus` = its worker count).
+   real worker below gets one, `--num-cpus` = its worker count) in the dtype the workers run
+   (auto), then `--serving-only` measures the serving path's costs beyond the engine's steps
+   (per request: door, router, actor calls; per streamed token) on a 1-worker colocated and a
+   1P+1D `brigade serve`, with short completions of their own: none of the requests validated
+   below.
 2. Validation: serving_bench.sh's two configurations (1 prefill + 1 decode, 2 colocated) at
    1, 2 and 4 req/s of its shared-prefix workload (smaller: a short quiet run), and a
    shared-prefix routing run on 2 prefill workers + 1 decode (kv_aware over the real Redis
@@ -26,7 +30,18 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from _sim_validate import Fleet, Load, bench, calibrate, errors, fleet_config, serve, simulate_load, ttft_samples
+from _sim_validate import (
+    Fleet,
+    Load,
+    bench,
+    calibrate,
+    calibrate_serving,
+    errors,
+    fleet_config,
+    serve,
+    simulate_load,
+    ttft_samples,
+)
 
 MODEL = "bench"
 NUM_BLOCKS = 1024
@@ -75,7 +90,15 @@ def run(out_dir: Path, quick: bool, parts: set[str]) -> tuple[dict, dict]:
     out_dir.mkdir(parents=True, exist_ok=True)
     profile_path = out_dir / "this-machine.json"
     print("calibrating this machine (brigade sim calibrate, 1 torch thread)", flush=True)
-    raw: dict = {"model": MODEL, "num_blocks": NUM_BLOCKS, "profile": calibrate(MODEL, 1, profile_path)}
+    profile = calibrate(MODEL, 1, profile_path)
+    for fleet in (ONE_MIXED, ONE_P_ONE_D):
+        print(f"  the serving path's costs (brigade sim calibrate --serving-only on {fleet.name})", flush=True)
+        try:
+            with serve(fleet, MODEL, NUM_BLOCKS, out_dir / "logs" / "calibrate") as url:
+                profile = calibrate_serving(MODEL, url, profile_path, disaggregated=fleet.mode == "disaggregated")
+        except (RuntimeError, subprocess.CalledProcessError) as exc:  # the simulation then leaves it out
+            print(f"  serving path not measured on {fleet.name}: {exc}", flush=True)
+    raw: dict = {"model": MODEL, "num_blocks": NUM_BLOCKS, "profile": profile}
     validation = ((ONE_P_ONE_D, QUICK_LOAD),) if quick else VALIDATION
     jobs: dict[Fleet, list[tuple[str, Load, str]]] = {}
     if "validate" in parts:

@@ -142,6 +142,17 @@ def calibrate(model: str, threads: int, out: Path, attempts: int = 3) -> dict:
     raise RuntimeError(f"brigade sim calibrate failed {attempts} times: {done.stderr.strip()[-300:]}")
 
 
+def calibrate_serving(model: str, url: str, profile: Path, disaggregated: bool = False) -> dict:
+    """`brigade sim calibrate --serving-only` against a running `brigade serve` of `model`
+    (colocated: --url; disaggregated: --disagg-url): the profile, with the serving path's costs."""
+    cmd = [sys.executable, "-m", "cluster.cli", "sim", "calibrate", "--preset", model,
+           "--disagg-url" if disaggregated else "--url", url, "--serving-only", "--out", str(profile)]
+    done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"brigade sim calibrate --serving-only failed: {done.stderr.strip()[-300:]}")
+    return json.loads(profile.read_text())
+
+
 def fleet_config(fleet: Fleet, model: str, profile: Path, num_blocks: int, policy: str = "kv_aware"):
     """The simulated twin of `serve(fleet, ...)`: the same engine preset, KV pool, block size
     and scheduler limits as the real workers, the KV link the real pair uses (gloo over loopback)."""

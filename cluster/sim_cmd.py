@@ -99,13 +99,23 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     sim.set_defaults(run="cluster.sim_cmd", make_config=lambda args: None)
 
     cal = cmds.add_parser("calibrate", formatter_class=fmt, help="fit a profile of this machine",
-                          description="Time prefill and decode steps of the real engine here (CPU, float32) and "
-                                      "fit a roofline device profile: --device FILE.json uses it.",
+                          description="Time prefill and decode steps of the real engine here (CPU, in the dtype "
+                                      "`brigade serve` picks here unless --dtype says) and fit a roofline device "
+                                      "profile: --device FILE.json uses it.",
                           epilog="example:\n  brigade sim calibrate --preset bench --out this-machine.json\n"
                                  "  brigade sim run --model bench --device this-machine.json --workload random")
     cal.add_argument("--preset", default="bench", help="the engine preset to time (default bench)")
     cal.add_argument("--out", default="this-machine.json", help="where the profile goes")
     cal.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
+    cal.add_argument("--url", help="a running `brigade serve` of the same preset: also measure the serving path's "
+                                    "costs beyond the engine steps (request_overhead_s, token_overhead_s)")
+    cal.add_argument("--disagg-url", help="a running disaggregated `brigade serve` of the same preset: measure what "
+                                          "its requests cost beyond --url's (handoff_overhead_s)")
+    cal.add_argument("--serving-only", action="store_true",
+                     help="keep the engine fit already in --out, measure only the serving path (--url, --disagg-url)")
+    cal.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                     help="the workers' dtype (default auto: bfloat16 where the CPU multiplies it in hardware, "
+                          "else float32, as `brigade serve`)")
 
     p = sub.add_parser("plan", formatter_class=fmt, epilog=PLAN_EPILOG, help="the cheapest fleet meeting an SLO",
                        description="Search P:D ratios, worker counts, TP sizes and routing policies by simulation; "
@@ -200,16 +210,36 @@ def run(args: argparse.Namespace, _cfg) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
+    from cluster.serving_costs import measure_serving
+    from engine.presets import PRESETS
     from sim.calibrate import fit, measure
+    from sim.hardware import load_device
+    from sim.shapes import ModelShape
 
-    shape, samples, dtype_bytes = measure(args.preset, threads=args.threads)
-    profile, report = fit(shape, samples, dtype_bytes)
+    if args.serving_only:
+        if not (args.url or args.disagg_url) or not Path(args.out).exists():
+            raise ValueError("--serving-only needs --url or --disagg-url, and an --out profile from an earlier "
+                             "`brigade sim calibrate`")
+        profile = load_device(args.out)
+    else:
+        shape, samples, dtype_bytes = measure(args.preset, threads=args.threads, dtype=args.dtype)
+        profile, report = fit(shape, samples, dtype_bytes)
+        for e in report["samples"]:
+            print(f"{e['kind']:8s} {e['tokens']:5d} tokens  measured {e['measured_s'] * 1000:8.2f} ms  "
+                  f"fitted {e['predicted_s'] * 1000:8.2f} ms  ({e['error']:+.1%})")
+        print(f"peak {profile.peak_flops / 1e9:.1f} GFLOP/s, memory {profile.mem_bw / 1e9:.1f} GB/s, "
+              f"step overhead {profile.step_overhead_s * 1000:.2f} ms")
+    shape = ModelShape.from_config(args.preset, PRESETS[args.preset].config)
+    if args.url:
+        profile, seen = measure_serving(args.url, profile, shape)
+        print(f"serving path: {profile.request_overhead_s * 1000:.1f} ms per request + "
+              f"{profile.request_overhead_per_token_s * 1e6:.1f} us per prompt token, "
+              f"{profile.token_overhead_s * 1000:.2f} ms per streamed token ({seen})")
+    if args.disagg_url:
+        profile, seen = measure_serving(args.disagg_url, profile, shape, disaggregated=True)
+        print(f"disaggregated: {profile.handoff_overhead_s * 1000:.1f} ms more per request ({seen})")
     Path(args.out).write_text(profile.model_dump_json(indent=1))
-    for e in report["samples"]:
-        print(f"{e['kind']:8s} {e['tokens']:5d} tokens  measured {e['measured_s'] * 1000:8.2f} ms  "
-              f"fitted {e['predicted_s'] * 1000:8.2f} ms  ({e['error']:+.1%})")
-    print(f"peak {profile.peak_flops / 1e9:.1f} GFLOP/s, memory {profile.mem_bw / 1e9:.1f} GB/s, "
-          f"step overhead {profile.step_overhead_s * 1000:.2f} ms; wrote {args.out}")
+    print(f"wrote {args.out}")
     return 0
 
 

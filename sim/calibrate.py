@@ -2,14 +2,17 @@
 the real engine.
 
 Measured: prefill steps (one prompt of n tokens, compute-bound) and decode steps (b sequences
-of context c, memory-bound: in float32 a decode step does 0.5 flop per weight byte per
-sequence, so b stays below the machine's flops/byte ridge, ~7 here) of an engine preset,
-each the median of a few repeats. Fitted by least squares, sharing one per-step overhead
-(sim/cost.py's roofline with efficiencies 1):
+of context c, memory-bound: a decode step does 0.5 flop per weight byte per sequence in float32,
+1 in bfloat16, so b stays below the machine's flops/byte ridge) of an engine preset, each the
+median of a few repeats, in the dtype `brigade serve` would pick here ("auto": bfloat16 where
+the CPU multiplies it in hardware), so the profile describes the workers it predicts. Fitted
+by least squares, sharing one per-step overhead (sim/cost.py's roofline with efficiencies 1):
 
     prefill: t = flops / peak_flops + overhead        decode: t = bytes / mem_bw + overhead
 
 The profile is what `--device FILE.json` takes; the fit's own residuals are in its report.
+The serving path's costs beyond the engine's steps (request_overhead_s and the rest) are
+measured on a running `brigade serve` by cluster/serving_costs.py (`calibrate --url`).
 """
 from __future__ import annotations
 
@@ -61,8 +64,9 @@ def fit(shape: ModelShape, samples: list[Sample], dtype_bytes: int, name: str = 
 
 def measure(preset: str = "bench", prefill_lens: tuple[int, ...] = (256, 512, 1024),
             decode_batches: tuple[int, ...] = (1, 2, 4), context: int = 256, repeats: int = 3,
-            threads: int | None = None) -> tuple[ModelShape, list[Sample], int]:
-    """Time the real engine's steps on this machine (CPU, float32)."""
+            threads: int | None = None, dtype: str = "auto") -> tuple[ModelShape, list[Sample], int]:
+    """Time the real engine's steps on this machine (CPU, `dtype`); the samples and the bytes
+    per element of the dtype the engine ran in."""
     import torch
 
     from engine.config import CacheConfig, EngineConfig
@@ -72,7 +76,7 @@ def measure(preset: str = "bench", prefill_lens: tuple[int, ...] = (256, 512, 10
 
     if threads:
         torch.set_num_threads(threads)
-    cfg = EngineConfig(model=preset, device="cpu", dtype="float32",
+    cfg = EngineConfig(model=preset, device="cpu", dtype=dtype,
                        cache=CacheConfig(num_blocks=4096, enable_prefix_cache=False))
     engine = LLMEngine(cfg)
     shape = ModelShape.from_config(preset, PRESETS[preset].config)
@@ -101,4 +105,5 @@ def measure(preset: str = "bench", prefill_lens: tuple[int, ...] = (256, 512, 10
         samples.append(Sample("decode", StepWork.of([(1, context + 2, True)] * b), statistics.median(times)))
         while engine.has_unfinished():
             engine.step()
-    return shape, samples, 4
+    return shape, samples, engine.dtype.itemsize
+

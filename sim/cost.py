@@ -7,6 +7,7 @@ A step computes `tokens` new tokens over sequences with given contexts. Per TP r
           + KV read (context + new tokens of every sequence) + KV written (new tokens)
     step_s = max(flops / (peak_flops * compute_eff), bytes / (mem_bw * bw_eff))
            + 2 * layers all-reduces of tokens * hidden (TP > 1) + step_overhead_s
+           + token_overhead_s * sampled (a served worker's cost per streamed chunk; calibrated)
 
 A prefill chunk of a few thousand tokens is compute-bound; a decode step of one token per
 sequence reads every weight and the whole KV for little arithmetic, so it is memory-bound.
@@ -82,6 +83,7 @@ class Roofline:
         if not w.tokens:
             return 0.0
         t = max(self.compute_s(w), self.memory_s(w)) + self.device.step_overhead_s
+        t += self.device.token_overhead_s * w.sampled
         if self.tp > 1:  # two ring all-reduces of the activations per layer
             size = w.tokens * self.shape.hidden * self.device.dtype_bytes * 2 * (self.tp - 1) / self.tp
             t += 2 * self.shape.layers * self.tp_link.transfer_s(size)

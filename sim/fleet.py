@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -110,6 +111,12 @@ class Fleet:
                          publish_delay_s=self.cfg.publish_delay_s, stream_every=self.cfg.stream_every,
                          tp_size=tp).start()
 
+    def request_overhead_s(self, prompt_tokens: int) -> float:
+        """The serving path's cost per request on this fleet, outside the engine (the profile's)."""
+        d = self.device
+        handoff = d.handoff_overhead_s if self.cfg.mode == "disaggregated" else 0.0
+        return d.request_overhead_s + d.request_overhead_per_token_s * prompt_tokens + handoff
+
     async def start(self) -> None:
         c = self.cfg
         if c.mode == "colocated":
@@ -123,7 +130,8 @@ class Fleet:
             await self.router.add_worker(w)
 
 
-async def _session(router: Router, session: SimSession, t0: float) -> list[SimRecord]:
+async def _session(router: Router, session: SimSession, t0: float,
+                   overhead_s: Callable[[int], float]) -> list[SimRecord]:
     history: list[int] = list(session.system) if session.system is not None else []
     records = []
     for k, (part, output_len) in enumerate(session.turns):
@@ -133,7 +141,7 @@ async def _session(router: Router, session: SimSession, t0: float) -> list[SimRe
         rid = f"{session.session_id}-t{k}" if len(session.turns) > 1 else session.session_id
         params = SamplingParams(max_tokens=output_len, ignore_eos=True)
         rec = await _request(router, GenerateRequest(rid, history, params, session.cache_salt), session.session_id,
-                             k, t0)
+                             k, t0, overhead_s(len(history)))
         records.append(rec)
         if not rec.ok:
             break  # the next turn would need this answer
@@ -141,14 +149,21 @@ async def _session(router: Router, session: SimSession, t0: float) -> list[SimRe
     return records
 
 
-async def _request(router: Router, req: GenerateRequest, session_id: str, turn: int, t0: float) -> SimRecord:
+async def _request(router: Router, req: GenerateRequest, session_id: str, turn: int, t0: float,
+                   overhead_s: float = 0.0) -> SimRecord:
+    """One request through the router. The serving path's fixed cost (Fleet.request_overhead_s)
+    is split between the way in, before the router sees the request, and the way back, on
+    every chunk."""
     loop = asyncio.get_running_loop()
     sent = loop.time()
     rec = SimRecord(req.request_id, session_id, turn, start_s=sent - t0, prompt_tokens=len(req.prompt_token_ids))
+    back_s = overhead_s / 2
     try:
+        if overhead_s:
+            await asyncio.sleep(overhead_s - back_s)
         async for chunk in router.generate(req):
             if chunk.token_ids:
-                rec.chunk_times_s.append(loop.time() - sent)
+                rec.chunk_times_s.append(loop.time() + back_s - sent)
                 rec.chunk_tokens.append(len(chunk.token_ids))
             if chunk.usage is not None:
                 rec.output_tokens, rec.cached_tokens = chunk.usage.completion_tokens, chunk.usage.cached_tokens
@@ -158,7 +173,7 @@ async def _request(router: Router, req: GenerateRequest, session_id: str, turn: 
         rec.error_kind, rec.error = "http_429", str(exc)
     except NoWorker as exc:
         rec.error_kind, rec.error = "http_503", str(exc)
-    rec.e2e_s = loop.time() - sent
+    rec.e2e_s = loop.time() + back_s - sent
     if rec.ok:
         rec.output_tokens = rec.output_tokens or sum(rec.chunk_tokens)
         rec.ttft_s = rec.chunk_times_s[0] if rec.chunk_times_s else None
@@ -177,7 +192,7 @@ async def _run(cfg: FleetConfig, sessions: list[SimSession]) -> tuple[list[SimRe
     tasks = []
     for s in sorted(sessions, key=lambda s: s.arrival_s):  # each session's task starts when it arrives
         await asyncio.sleep(max(0.0, t0 + s.arrival_s - loop.time()))
-        tasks.append(loop.create_task(_session(fleet.router, s, t0)))
+        tasks.append(loop.create_task(_session(fleet.router, s, t0, fleet.request_overhead_s)))
     records = [r for done in await asyncio.gather(*tasks) for r in done]
     duration = loop.time() - t0
     net = fleet.network

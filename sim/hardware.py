@@ -31,6 +31,17 @@ class DeviceProfile(_Frozen):
     compute_eff: float = Field(1.0, gt=0, le=1)  # reachable fraction of peak_flops
     bw_eff: float = Field(1.0, gt=0, le=1)  # reachable fraction of mem_bw
     step_overhead_s: float = Field(0.0, ge=0)  # per engine step: launches, scheduling, sampling
+    # Per request, outside the engine's steps: the door's parsing and tokenizing, the router's
+    # pick, the actor calls there and back. `brigade sim calibrate --url` measures it on a real
+    # `brigade serve`; the catalog's GPUs leave it 0 (not modelled).
+    request_overhead_s: float = Field(0.0, ge=0)
+    request_overhead_per_token_s: float = Field(0.0, ge=0)  # and per prompt token (its ids through each hop)
+    # Per sampled sequence per step, in a served worker: its chunk's way out of the engine, the
+    # actor, the router and the door (calibrate --url; 0 for the catalog's GPUs).
+    token_overhead_s: float = Field(0.0, ge=0)
+    # Per request of a disaggregated fleet, beyond request_overhead_s: the decode worker's
+    # reservation and the prefill worker's answer (calibrate --disagg-url; 0 for the catalog's GPUs).
+    handoff_overhead_s: float = Field(0.0, ge=0)
     dtype_bytes: int = Field(2, ge=1)  # weights and KV
     intra_link: str = "nvlink4"  # between the ranks of one TP group
     inter_link: str = "rdma-ndr400"  # between a prefill and a decode worker

@@ -64,3 +64,16 @@ def test_unknown_names_say_what_exists() -> None:
         load_device("B300")
     with pytest.raises(ValueError, match="Qwen3-32B"):
         load_shape("no-such-model")
+
+
+def test_a_served_workers_token_overhead_is_paid_per_sampled_sequence() -> None:
+    dev = load_device("cpu-2core")
+    plain = Roofline(load_shape("bench"), dev)
+    served = Roofline(load_shape("bench"), dev.model_copy(update={"token_overhead_s": 0.002}))
+    decode = StepWork.of([(1, 300, True)] * 4)
+    chunk = StepWork.of([(64, 0, False)])  # a prefill chunk that samples nothing
+    assert served.step_s(decode) == pytest.approx(plain.step_s(decode) + 4 * 0.002)
+    assert served.step_s(chunk) == pytest.approx(plain.step_s(chunk))
+    # decode_steps_s stays exact with it (a constant per step for a fixed batch).
+    assert served.decode_steps_s(4, 300, 10) == pytest.approx(
+        [served.step_s(StepWork(4, 4, 300 + 4 * (j + 1), 300 + 4 * (j + 1))) for j in range(10)])
