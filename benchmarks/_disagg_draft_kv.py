@@ -60,10 +60,10 @@ async def _all(pair: tuple[PrefillWorker, DecodeWorker], prefix: str, prompts: l
     return await asyncio.gather(*(_one(*pair, f"{prefix}-{i}", p, params) for i, p in enumerate(prompts)))
 
 
-def _pair(mode: str, dtype: str) -> tuple[PrefillWorker, DecodeWorker]:
+def _pair(mode: str, dtype: str, num_blocks: int) -> tuple[PrefillWorker, DecodeWorker]:
     spec = SpeculativeConfig(method="draft", draft_model=DRAFT, k=4, draft_kv=mode)
     cfg = EngineConfig(model=TARGET, dtype=dtype, speculative=spec,
-                       cache=CacheConfig(num_blocks=256, enable_prefix_cache=False))
+                       cache=CacheConfig(num_blocks=num_blocks, enable_prefix_cache=False))
     transfer = TransferConfig(backend="gloo", timeout_s=60.0, connect_timeout_s=60.0)
     prefill = PrefillWorker(f"prefill-{mode}", cfg, transfer)
     decode = DecodeWorker(f"decode-{mode}", cfg.model_copy(update={"role": Role.DECODE}), transfer)
@@ -81,7 +81,11 @@ def measure(dtype: str, num_prompts: int, prompt_tokens: int, max_tokens: int, s
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     modes = ("ship", "recompute")
     print(f"- disaggregated draft KV, {num_prompts} x {prompt_tokens} tokens: ship vs recompute ...", flush=True)
-    pairs = {mode: _pair(mode, dtype) for mode in modes}
+    # Room for every prompt at once (the concurrent rounds): a decode worker out of blocks
+    # refuses the reservation, which this harness, having no router to wait in, cannot retry.
+    block_size = CacheConfig().block_size
+    num_blocks = num_prompts * -(-(prompt_tokens + max_tokens + 8) // block_size) + 16
+    pairs = {mode: _pair(mode, dtype, num_blocks) for mode in modes}
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     concurrent = {mode: 0.0 for mode in modes}
     try:
