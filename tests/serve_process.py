@@ -124,3 +124,17 @@ def ray_address(served: Served) -> str:
     """The GCS address of the Ray that `served` started, from its raylet's command line."""
     raylet = find_process(served, "raylet")
     return next(a.split("=", 1)[1] for a in raylet.cmdline() if a.startswith("--gcs-address="))
+
+
+def door_in_flight(server: Served) -> float:
+    """The HTTP door's own count of requests it is still answering (its /metrics gauge): a
+    request whose client left stays in it until the router confirmed the abort, a little after
+    the router's own count (/health "running") is down."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{server.http_base}/metrics", timeout=60) as resp:
+        text = resp.read().decode()
+    return next((s.value for f in text_string_to_metric_families(text) for s in f.samples
+                 if s.name == "brigade_requests_in_flight" and s.labels.get("door") == "http"), 0.0)

@@ -106,13 +106,31 @@ class BrigadeService:
 
     # -- generation ---------------------------------------------------------------------
     async def generate(self, data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
-        run = _Run(self.state)
-        try:
+        async with self._answering(context) as run:
             req, reply_id, with_logprobs = await self._generate_request(data, context)
             async with contextlib.aclosing(self.state.backend.generate(req)) as chunks:
                 async for chunk in chunks:
                     run.seen(chunk)
                     yield msgs.chunk_message(chunk, reply_id, with_logprobs)
+
+    async def generate_unary(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        got: list[Chunk] = []
+        async with self._answering(context) as run:
+            req, reply_id, with_logprobs = await self._generate_request(data, context)
+            async with contextlib.aclosing(self.state.backend.generate(req)) as chunks:
+                async for chunk in chunks:
+                    run.seen(chunk)
+                    got.append(chunk)
+        return msgs.response_message(got, reply_id, with_logprobs)
+
+    @contextlib.asynccontextmanager
+    async def _answering(self, context: grpc.aio.ServicerContext) -> AsyncIterator[_Run]:
+        """One generation's bookkeeping around its body: a failure becomes the call's status
+        (context.abort raises, so the body's caller never goes on after a refusal), a client
+        that left or ran out of time is counted as such."""
+        run = _Run(self.state)
+        try:
+            yield run
             run.outcome = "ok"
         except (asyncio.CancelledError, GeneratorExit):
             run.gone(context)
@@ -123,26 +141,6 @@ class BrigadeService:
             run.done()
         if run.refused is not None:
             await _abort(context, run.refused)
-
-    async def generate_unary(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
-        run, got = _Run(self.state), []
-        try:
-            req, reply_id, with_logprobs = await self._generate_request(data, context)
-            async with contextlib.aclosing(self.state.backend.generate(req)) as chunks:
-                async for chunk in chunks:
-                    run.seen(chunk)
-                    got.append(chunk)
-            run.outcome = "ok"
-        except asyncio.CancelledError:
-            run.gone(context)
-            raise
-        except Exception as exc:
-            run.refuse(exc)
-        finally:
-            run.done()
-        if run.refused is not None:
-            await _abort(context, run.refused)
-        return msgs.response_message(got, reply_id, with_logprobs)
 
     async def _generate_request(self, data: bytes, context) -> tuple[GenerateRequest, str, bool]:
         """The router's request (tokenized, checked), the id replies carry, whether to send logprobs.

@@ -20,7 +20,7 @@ import httpx
 import psutil
 import pytest
 import ray
-from serve_process import Served, brigade_serve, find_process, ray_address
+from serve_process import Served, brigade_serve, door_in_flight, find_process, ray_address
 from support import FULL, wait_for
 
 READERS = 50 if FULL else 8
@@ -116,6 +116,8 @@ def test_slow_readers_leave_the_serve_process_flat(served: Served, chaos_figure)
     # The readers left: every request aborted, every block back, and the door still serves.
     wait_for(lambda: (s := decode_stats())["free_blocks"] == s["num_blocks"] and s["running"] == 0, 120,
              lambda: f"the decode pool whole; now {decode_stats()}", 0.5)
+    # And the door is done with them too (each handler ends once the router confirmed its abort).
+    wait_for(lambda: door_in_flight(served) == 0, 30, lambda: f"the door idle; {door_in_flight(served)} left", 0.5)
     ok = httpx.post(f"{served.http_base}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3}, timeout=120)
     chaos_figure("slow_readers", ratios={"rss_growth_mb": round(door_growth, 1)},
                  targets={"rss_growth_mb": f"< {RSS_GROWTH_LIMIT_MB:g}"}, readers=READERS, max_tokens=MAX_TOKENS,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from serve_process import RAY_ENV, Served, brigade_serve
+from serve_process import RAY_ENV, Served, brigade_serve, door_in_flight
 from support import wait_for
 
 from cluster import cli
@@ -65,18 +65,6 @@ def _request(url: str, body: dict | bytes | None = None) -> tuple[int, dict, dic
 def _stream(url: str, body: dict):
     req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode())
     return urllib.request.urlopen(req, timeout=60)
-
-
-def _door_in_flight(server: Served) -> float:
-    """The HTTP door's own count of requests it is still answering (its /metrics gauge): a
-    request whose client left stays in it until the router confirmed the abort, a little after
-    the router's own count (/health "running") is down."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"{server.http_base}/metrics", timeout=60) as resp:
-        text = resp.read().decode()
-    return next((s.value for f in text_string_to_metric_families(text) for s in f.samples
-                 if s.name == "brigade_requests_in_flight" and s.labels.get("door") == "http"), 0.0)
 
 
 def _events(lines) -> list:
@@ -186,7 +174,7 @@ def test_a_client_that_leaves_frees_its_request(server: Served) -> None:
     # 4000 tokens take three times 5 s here: only an abort ends it so soon
     wait_for(lambda: _request(f"{server.http_base}/health")[1]["running"] == 0, 5, "the router's slot back", 0.2)
     # and the door's handler too, once the abort is confirmed (backend ABORT_DRAIN_S bounds it)
-    wait_for(lambda: _door_in_flight(server) == 0, 10, "the door's handler done", 0.2)
+    wait_for(lambda: door_in_flight(server) == 0, 10, "the door's handler done", 0.2)
 
 
 def test_no_listening_socket_binds_a_wildcard_address(server: Served) -> None:
@@ -217,7 +205,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(server: Served) -> None:
     procs = _tree(server.proc.pid)
     assert any("redis-server" in " ".join(p.cmdline()) for p in procs)
     # "draining 1" below counts the door's requests: none of the earlier tests' may still be in it
-    wait_for(lambda: _door_in_flight(server) == 0, 10, "the door idle before the test", 0.2)
+    wait_for(lambda: door_in_flight(server) == 0, 10, "the door idle before the test", 0.2)
     with _stream(f"{server.http_base}/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 1500,
                                                    "ignore_eos": True, "temperature": 0}) as resp:
         assert resp.readline().startswith(b"data: {")
