@@ -145,7 +145,8 @@ def _engine_flags(defaults: bool = True) -> argparse.ArgumentParser:
     g.add_argument("--speculative", type=_speculative, metavar="draft=MODEL,k=4|ngram,k=4,n=3",
                    help="speculative decoding: a draft model with the target's vocabulary, or prompt lookup "
                         "(n-gram match in the prompt and output); also n_min, token_cost, max_batch, "
-                        "draft_kv=ship|recompute (default: off; requests opt out with speculate=false)")
+                        "draft_kv=ship|recompute, draft_quantization=int8 (default: off; requests opt out "
+                        "with speculate=false)")
     h = parent.add_argument_group("HiCache: host-memory and disk tiers under the KV pool (policies: config file)")
     h.add_argument("--hicache", action="store_true", default=None,
                    help="keep blocks the pool evicts in host memory (and on disk with --hicache-disk-dir) "

@@ -101,6 +101,10 @@ class SpeculativeConfig(_Frozen):
     # step without computing the prompt); "recompute": the decode worker's draft computes the
     # prompt itself on the request's first decode step. Compared by spec_bench.py (raw.disagg_draft_kv).
     draft_kv: Literal["ship", "recompute"] = "ship"
+    # The draft's weights: "int8" per output channel at load (engine.quant). A draft's proposals
+    # are all verified, so its precision moves only its acceptance, and on a memory-bound CPU its
+    # decode step is ~0.6x bfloat16's (README, engine_bench): what a draft's cost share asks for.
+    draft_quantization: Literal["none", "int8"] = "none"
 
     @model_validator(mode="after")
     def _check(self) -> SpeculativeConfig:
@@ -126,12 +130,12 @@ class SpeculativeConfig(_Frozen):
                 fields.update(method="draft", draft_model=value)
             elif i and key in ("k", "n", "n_min", "draft_num_blocks", "max_batch") and eq:
                 fields[key] = value
-            elif i and key in ("token_cost", "draft_kv") and eq:
+            elif i and key in ("token_cost", "draft_kv", "draft_quantization") and eq:
                 fields[key] = value
             else:
                 raise ValueError(f"speculative: cannot read {part!r} in {text!r}; expected "
                                  "draft=MODEL,k=4 or ngram,k=4,n=3 (also n_min, token_cost, max_batch, "
-                                 "draft_num_blocks, draft_kv=ship|recompute) or none")
+                                 "draft_num_blocks, draft_kv=ship|recompute, draft_quantization=int8) or none")
         try:
             return cls.model_validate(fields)
         except ValidationError as exc:

@@ -173,7 +173,7 @@ def _draft_model(cfg: EngineConfig, target: ModelConfig, target_blocks: int, sam
                                          "hicache": cfg.cache.hicache.model_copy(update={"enabled": False}),
                                          "record_events": False})
     draft_cfg = cfg.model_copy(update={"model": spec.draft_model, "model_id": None, "cache": cache,
-                                       "quantization": "none", "speculative": SpeculativeConfig()})
+                                       "quantization": spec.draft_quantization, "speculative": SpeculativeConfig()})
     parts = build_parts(draft_cfg)
     if parts.model_config.vocab_size != target.vocab_size:
         raise ValueError(f"speculative.draft_model {spec.draft_model!r} has a vocabulary of "

@@ -19,6 +19,8 @@ DRAFTERS = {
     "draft": SpeculativeConfig(method="draft", draft_model="tiny-draft", k=3),
     # The target drafting for itself: every greedy proposal is accepted (full runs, bonus tokens).
     "self-draft": SpeculativeConfig(method="draft", draft_model="tiny", k=4),
+    # An int8 draft proposes differently; its proposals are verified, so the tokens are the same.
+    "int8-draft": SpeculativeConfig(method="draft", draft_model="tiny-draft", k=3, draft_quantization="int8"),
 }
 
 
@@ -228,6 +230,7 @@ def test_speculative_flag_and_config_errors() -> None:
     assert SpeculativeConfig.from_flag("draft=tiny-draft,k=5") == SpeculativeConfig(
         method="draft", draft_model="tiny-draft", k=5)
     assert SpeculativeConfig.from_flag("ngram,k=4,n=3") == SpeculativeConfig(method="ngram", k=4, n=3)
+    assert SpeculativeConfig.from_flag("draft=tiny-draft,draft_quantization=int8").draft_quantization == "int8"
     for bad in ("draft", "ngram,k=0", "ngram,x=1", "bogus", "ngram,draft_model=tiny"):
         with pytest.raises(ValueError, match="speculative"):
             SpeculativeConfig.from_flag(bad)
@@ -244,3 +247,12 @@ def test_draft_model_with_another_vocabulary_is_refused(hf_checkpoints) -> None:
     with pytest.raises(ValueError, match="vocabulary"):
         LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu",
                                speculative=SpeculativeConfig(method="draft", draft_model="tiny-draft")))
+
+
+def test_an_int8_draft_is_quantized_and_the_target_is_not() -> None:
+    from engine.quant.linear import Int8Linear
+
+    eng = engine(DRAFTERS["int8-draft"])
+    kinds = lambda model: {type(m) for m in model.modules()}  # noqa: E731
+    assert Int8Linear in kinds(eng.speculator.drafter.runner.model)
+    assert Int8Linear not in kinds(eng.runner.model)
