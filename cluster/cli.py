@@ -131,9 +131,10 @@ def _engine_flags(defaults: bool = True) -> argparse.ArgumentParser:
     g.add_argument("--dtype", default=default("auto"), choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV dtype; auto: the checkpoint's on CUDA; on CPU bfloat16 where the "
                         "CPU has bfloat16 dot-product instructions (avx512_bf16 / amx_bf16), else float32")
-    g.add_argument("--quantization", default=default("none"), choices=["none", "int8", "gguf"],
-                   help="weight-only quantization: int8 (per channel, at load) or gguf (keep a GGUF "
-                        "checkpoint's Q4_0/Q4_1/Q8_0 blocks quantized); activations run in bfloat16")
+    g.add_argument("--quantization", default=default("none"), choices=["none", "int8", "int4", "gguf"],
+                   help="weight-only quantization: int8 (per channel, at load), int4 (groups of 32, at "
+                        "load; CPU only) or gguf (keep a GGUF checkpoint's Q4_0/Q4_1/Q8_0 blocks "
+                        "quantized); activations run in bfloat16")
     g.add_argument("--device", default=default("auto"), type=_device, metavar="auto|cpu|cuda[:N]",
                    help="default: cuda when available, else cpu")
     g.add_argument("--block-size", type=int, metavar="N", help="tokens per KV block (default 16)")
@@ -145,7 +146,7 @@ def _engine_flags(defaults: bool = True) -> argparse.ArgumentParser:
     g.add_argument("--speculative", type=_speculative, metavar="draft=MODEL,k=4|ngram,k=4,n=3",
                    help="speculative decoding: a draft model with the target's vocabulary, or prompt lookup "
                         "(n-gram match in the prompt and output); also n_min, token_cost, max_batch, "
-                        "draft_kv=ship|recompute, draft_quantization=int8 (default: off; requests opt out "
+                        "draft_kv=ship|recompute, draft_quantization=int8|int4 (default: off; requests opt out "
                         "with speculate=false)")
     h = parent.add_argument_group("HiCache: host-memory and disk tiers under the KV pool (policies: config file)")
     h.add_argument("--hicache", action="store_true", default=None,

@@ -1,6 +1,11 @@
 """Weight-only quantization applied to a loaded model (`--quantization`).
 
   int8  every linear (attention, dense MLP, LM head) quantized per output channel at load
+  int4  every linear quantized in groups of 32 input features at load (round to nearest between
+        the group's min and max, as GGUF Q4_1); CPU only (torch's int4 kernel). A linear whose
+        input width is not a multiple of 32 gets int8. Out of cache on a 2-core Xeon the int4
+        GEMV moves its weights ~3x faster than the int8 one (a Qwen2.5-0.5B MLP: 0.29 vs 0.92 ms):
+        what a speculative draft wants (its precision moves only its acceptance)
   gguf  the checkpoint's GGUF source blocks kept quantized (Q4_0/Q4_1 -> int4, Q8_0 -> int8)
 MoE experts and norms stay in the model's dtype.
 """
@@ -13,7 +18,8 @@ from torch import nn
 from engine.models.layers import Linear, SparseMoE
 from engine.quant.linear import BlockInt8Linear, Int4Linear, Int8Linear, QuantLinear
 
-METHODS = ("none", "int8", "gguf")
+METHODS = ("none", "int8", "int4", "gguf")
+INT4_GROUP = 32
 # Written by engine.gguf.convert next to a checkpoint converted from GGUF: the source file's path.
 GGUF_SOURCE_MARKER = ".complete"
 
@@ -37,8 +43,8 @@ def quantize_model(model: nn.Module, method: str, checkpoint: Path) -> dict[str,
     """Swap `model`'s linears in place; returns how many of each kind were replaced."""
     if method == "none":
         return {}
-    if method == "int8":
-        return {"int8": _swap_int8(model)}
+    if method in ("int8", "int4"):
+        return _swap(model, method)
     if method == "gguf":
         src = gguf_source(checkpoint)
         if src is None:
@@ -51,14 +57,21 @@ def quantize_model(model: nn.Module, method: str, checkpoint: Path) -> dict[str,
     raise QuantizationError(f"unknown quantization {method!r}; choose one of {', '.join(METHODS)}")
 
 
-def _swap_int8(model: nn.Module) -> int:
-    n = 0
+def _swap(model: nn.Module, method: str) -> dict[str, int]:
+    counts = {"int8": 0, "int4": 0}
     for parent in list(model.modules()):
         for attr, child in list(parent.named_children()):
             # Exact type: tensor-parallel subclasses are not quantized; MoE routers stay exact.
             if type(child) is Linear and not isinstance(parent, SparseMoE):
                 w = child.weight_t.data.t() if child.transposed else child.weight.data  # (out, in)
                 bias = child.bias.data if child.bias is not None else None
-                setattr(parent, attr, Int8Linear.quantize(w, bias))
-                n += 1
-    return n
+                if method == "int4" and w.device.type != "cpu":
+                    raise QuantizationError("--quantization int4 runs torch's CPU int4 kernel; on "
+                                            f"{w.device.type} use int8 or none")
+                if method == "int4" and w.shape[1] % INT4_GROUP == 0:
+                    setattr(parent, attr, Int4Linear.quantize(w, bias, INT4_GROUP))
+                    counts["int4"] += 1
+                else:
+                    setattr(parent, attr, Int8Linear.quantize(w, bias))
+                    counts["int8"] += 1
+    return {kind: n for kind, n in counts.items() if n}

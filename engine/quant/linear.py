@@ -26,6 +26,8 @@ DENSE_ROWS = 32
 class QuantLinear(nn.Module):
     """Common part: optional float bias, the cast around the kernel."""
 
+    dense_rows = DENSE_ROWS  # from this many rows on, one dense matmul of dense()
+
     def __init__(self, out_features: int, bias: torch.Tensor | None):
         super().__init__()
         self.out_features = out_features
@@ -33,7 +35,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xc = x.to(COMPUTE)
-        y = F.linear(xc, self.dense()) if x.shape[0] >= DENSE_ROWS else self.matmul(xc)
+        y = F.linear(xc, self.dense()) if x.shape[0] >= self.dense_rows else self.matmul(xc)
         y = y.to(x.dtype)
         return y + self.bias if self.bias is not None else y
 
@@ -121,6 +123,11 @@ class Int4Linear(QuantLinear):
     """Groupwise asymmetric int4 (GGUF Q4_0 / Q4_1 blocks of 32): W[n, k] = (q - 8) * scale + zero,
     scale and zero per (k // group, n), the layout of torch's int4 CPU kernel."""
 
+    # Unpacking int4 costs ~3-10x int8's dequantization, and the int4 kernel's time grows with
+    # the rows only as fast as a dense matmul's: they meet near 512 rows (2-core Xeon, Qwen2.5-0.5B
+    # MLP shapes: at 64 rows kernel 8 ms vs unpack + matmul 42 ms; at 512, 76 vs 75).
+    dense_rows = 512
+
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
                  bias: torch.Tensor | None = None):
         super().__init__(q.shape[0], bias)
@@ -129,6 +136,20 @@ class Int4Linear(QuantLinear):
         self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
         # (in/g, out, 2): the kernel's (scale, zero) pairs
         self.register_buffer("scale_zero", torch.stack((scale, zero), dim=-1).to(COMPUTE).contiguous())
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, bias: torch.Tensor | None = None, group: int = 32) -> Int4Linear:
+        """w: (out, in) float, in % group == 0: round-to-nearest per group of `group` input
+        features between the group's min and max (GGUF Q4_1's scheme). scale and zero are rounded
+        to bfloat16 first and q against them, so the kernel's W equals (q - 8) * scale + zero."""
+        n, k = w.shape
+        wg = w.float().view(n, k // group, group)
+        lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
+        scale = ((hi - lo) / 15).clamp(min=1e-12).to(COMPUTE)
+        zero = (lo + 8 * scale.float()).to(COMPUTE)
+        base = zero.float() - 8 * scale.float()  # W of q = 0
+        q = torch.round((wg - base[..., None]) / scale.float()[..., None]).clamp(0, 15).view(n, k)
+        return cls(q.to(torch.int32), scale.t(), zero.t(), group, bias)
 
     def dense(self) -> torch.Tensor:
         n, k = self.out_features, self.packed.shape[1] * 2

@@ -7,6 +7,8 @@ keeps ~all greedy top-1 choices of the float32 model on prompts of random tokens
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -16,7 +18,8 @@ from helpers import engine_prefill_logits, make_prompts
 from engine import CacheConfig, EngineConfig, LLMEngine
 from engine.engine_setup import cpu_has_bf16_dot, resolve_dtype
 from engine.model_config import ModelConfig
-from engine.quant import Int4Linear, Int8Linear
+from engine.models.layers import Linear
+from engine.quant import Int4Linear, Int8Linear, quantize_model
 from engine.quant.gguf_blocks import _int4, _int8, read_blocks
 from engine.quant.linear import DENSE_ROWS, int4_pack_rows
 
@@ -71,7 +74,7 @@ def test_int4_unpacking_reads_torchs_packed_layout() -> None:
         _close(lin.dequantize(), ref, frac=0.005)  # the kernel rounds its output to bfloat16
 
 
-@pytest.mark.parametrize("rows", [3, DENSE_ROWS, 100])
+@pytest.mark.parametrize("rows", [3, DENSE_ROWS, 100, Int4Linear.dense_rows])
 def test_quantized_linears_agree_below_and_above_the_dense_row_count(rows) -> None:
     """A prefill chunk (dense bfloat16 matmul of the dequantized weight) and a decode batch
     (the weight-only kernels) compute the same product."""
@@ -80,8 +83,25 @@ def test_quantized_linears_agree_below_and_above_the_dense_row_count(rows) -> No
     q4 = Int4Linear(torch.randint(0, 16, (128, 64), dtype=torch.int32), torch.rand(2, 128) * 0.1,
                     torch.randn(2, 128) * 0.1, 32)
     x = torch.randn(rows, 64)
-    for lin in (Int8Linear.quantize(w), q4):
+    for lin in (Int8Linear.quantize(w), q4, Int4Linear.quantize(w)):
         _close(lin(x), x @ lin.dequantize().t())
+
+
+def test_int4_quantize_rounds_each_group_to_its_nearest_level() -> None:
+    """Int4Linear.quantize: every weight within half a step of its group's grid, the grid spans
+    the group's min to max, and a linear whose input width is not a multiple of 32 gets int8."""
+    torch.manual_seed(2)
+    w = torch.randn(96, 128) * torch.logspace(-2, 0, 96)[:, None]  # rows of very different size
+    lin = Int4Linear.quantize(w)
+    step = lin.scale_zero[..., 0].float().t().repeat_interleave(32, dim=1)  # (out, in)
+    err = (lin.dequantize() - w).abs()
+    # Half a step, plus bfloat16's rounding of scale, zero and the dequantized weight.
+    assert (err <= step * 0.6).all()
+    assert err.max() > 0  # it really is quantized
+    model = torch.nn.Module()
+    model.a, model.b = Linear(128, 64), Linear(48, 64)
+    assert quantize_model(model, "int4", Path(".")) == {"int4": 1, "int8": 1}
+    assert isinstance(model.a, Int4Linear) and isinstance(model.b, Int8Linear)
 
 
 def top1_agreement_and_worst_error(ref: LLMEngine, other: LLMEngine, prompts) -> tuple[int, float]:

@@ -21,6 +21,7 @@ DRAFTERS = {
     "self-draft": SpeculativeConfig(method="draft", draft_model="tiny", k=4),
     # An int8 draft proposes differently; its proposals are verified, so the tokens are the same.
     "int8-draft": SpeculativeConfig(method="draft", draft_model="tiny-draft", k=3, draft_quantization="int8"),
+    "int4-draft": SpeculativeConfig(method="draft", draft_model="tiny-draft", k=3, draft_quantization="int4"),
 }
 
 
@@ -249,10 +250,12 @@ def test_draft_model_with_another_vocabulary_is_refused(hf_checkpoints) -> None:
                                speculative=SpeculativeConfig(method="draft", draft_model="tiny-draft")))
 
 
-def test_an_int8_draft_is_quantized_and_the_target_is_not() -> None:
-    from engine.quant.linear import Int8Linear
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_a_quantized_draft_is_quantized_and_the_target_is_not(quant) -> None:
+    from engine.quant.linear import Int4Linear, Int8Linear
 
-    eng = engine(DRAFTERS["int8-draft"])
+    kind = {"int8": Int8Linear, "int4": Int4Linear}[quant]
+    eng = engine(DRAFTERS[f"{quant}-draft"])
     kinds = lambda model: {type(m) for m in model.modules()}  # noqa: E731
-    assert Int8Linear in kinds(eng.speculator.drafter.runner.model)
-    assert Int8Linear not in kinds(eng.runner.model)
+    assert kind in kinds(eng.speculator.drafter.runner.model)
+    assert not kinds(eng.runner.model) & {Int8Linear, Int4Linear}
