@@ -220,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         raw["draft_bs1"] = compare(
             "draft model, batch 1", lambda: serial(target, code, plan.code_tokens),
             lambda: serial(make_engine(plan.target, args.dtype, draft), code, plan.code_tokens))
-        ratios["draft_speedup_bs1"] = raw["draft_bs1"]["spec"]["tokens_per_s"] / raw["draft_bs1"]["plain"]["tokens_per_s"]
+        bs1 = raw["draft_bs1"]
+        ratios["draft_speedup_bs1"] = bs1["spec"]["tokens_per_s"] / bs1["plain"]["tokens_per_s"]
     raw["disagg_draft_kv"] = disagg_draft_kv.measure(args.dtype, plan.disagg_prompts, plan.disagg_prompt_tokens,
                                                      plan.disagg_tokens)
     raw["acceptance"] = {

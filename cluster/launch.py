@@ -10,6 +10,7 @@ import ipaddress
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 NAMESPACE = "brigade"
 OBJECT_STORE_BYTES = 256 << 20  # KV moves over torch.distributed, not the object store
 START_TIMEOUT_S = 600.0  # a worker's start: loading weights, a placement group, pairing with its peers
+SHUTDOWN_NAMES_S = 10.0  # Cluster.shutdown waits this long at most for Ray to free its workers' names
 
 
 def start_ray(cfg: ClusterConfig) -> None:
@@ -239,6 +241,12 @@ class Cluster:
         for group in self.groups.values():
             stop_group(group)
         ray.kill(self.router)
+        # ray.kill returns before Ray frees the actors' names: wait, so a cluster started next in
+        # this Ray (a restarted owner) can take the same worker ids.
+        names, deadline = set(self.workers), time.monotonic() + SHUTDOWN_NAMES_S
+        with contextlib.suppress(Exception):  # Ray itself going down: nothing left to free
+            while names & set(ray.util.list_named_actors()) and time.monotonic() < deadline:
+                time.sleep(0.05)
         self.workers.clear()
         self.groups.clear()
 

@@ -295,6 +295,10 @@ class DecodeWorker(EngineWorker):
                     timing.recomputed = True
                     await asyncio.to_thread(self.abort, req.request_id)  # frees the reservation
                     await asyncio.wrap_future(self.generate_local(_after_first(req, first), stream.sink))
+                    if stream.aborted:
+                        # cancel() came while the request was being added, and its abort may have
+                        # run first: the request would run unread, held by backpressure for good.
+                        await asyncio.to_thread(self.abort, req.request_id)
             first_chunk = True
             async for chunk in stream.chunks():
                 if first_chunk:
@@ -323,7 +327,7 @@ class DecodeWorker(EngineWorker):
             yield stream
         finally:
             self.streams.pop(request_id, None)
-            if not stream.finished:
+            if not stream.finished or stream.aborted:  # aborted: nothing it started may outlive it
                 await asyncio.to_thread(self.abort, request_id)
 
     async def cancel(self, request_id: str) -> None:

@@ -122,7 +122,8 @@ def test_cancel_at_a_random_token_leaks_nothing(cluster, chaos_figure) -> None:
         stats = cluster.stats()
         return stats if all(pool_whole(s) and s["free_blocks"] == baseline[w]["free_blocks"]
                             for w, s in stats.items()) else None
-    after = wait_for(settled, 10.0, "every pool back at its baseline")
+    after = wait_for(settled, 10.0, lambda: f"every pool back at its baseline {baseline}; now {cluster.stats()}, "
+                                            f"router {ray.get(cluster.router.status.remote(), timeout=30)}")
     status = ray.get(cluster.router.status.remote(), timeout=30)
     leaked = {w: baseline[w]["free_blocks"] - s["free_blocks"] for w, s in after.items()}
     print(f"\n{RUNS} requests, {aborted} cancelled mid-way, in {time.monotonic() - t0:.1f} s: leaked blocks {leaked}, "

@@ -208,8 +208,11 @@ def test_a_stop_string_spanning_the_migration_point_stops_the_migrated_stream_as
 
 
 @pytest.fixture(scope="module")
-def smollm2_cluster(smollm2, ray_cluster):
-    """The same layout serving SmolLM2-135M (float32), the real model of tests/integration/test_real_model.py."""
+def smollm2_cluster(smollm2, ray_cluster, cluster):
+    """The same layout serving SmolLM2-135M (float32), the real model of tests/integration/test_real_model.py.
+    The tiny cluster goes first: worker names are Ray-wide, and its prefill-0 is still alive when
+    the prefill-kill test above killed prefill-1."""
+    cluster.shutdown()
     return ray_cluster(model=str(smollm2), prefill=1, decode=2,
                        engine={"dtype": "float32", "cache": {"num_blocks": 256}})
 

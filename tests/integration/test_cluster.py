@@ -129,6 +129,45 @@ def test_kv_nobody_collects_is_freed_after_the_hold_timeout(plain_workers):
     assert not prefill.push("orphan", decode.worker_id)  # nothing left to send
 
 
+@pytest.mark.timeout(60)
+def test_a_cancel_racing_the_recompute_of_a_failed_pull_leaves_nothing_running(plain_workers):
+    """The pull fails (the prefill worker no longer holds the KV) and the decode worker recomputes;
+    cancel() lands just then and its abort runs before the recomputed request is added (a CI run
+    of tests/chaos/test_cancel_leaks.py caught it). The stream ends "abort" and nothing runs on
+    unread: backpressure would hold it, and its blocks, for good."""
+    prefill, decode, _ = plain_workers
+    rid, prompt = "race", PROMPTS[5]
+    req = GenerateRequest(rid, prompt, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+    first = prefill.prefill(req).result(timeout=30)
+    assert decode.reserve(rid, len(prompt))
+    add = decode.generate_local
+
+    def cancelled_first(r, sink):
+        stream = decode.streams[rid]
+        stream.aborted = True  # all of cancel(), before the add
+        stream.end_aborted(rid, decode.abort(rid))
+        return add(r, sink)
+
+    async def refused() -> bool:
+        return False
+
+    async def run() -> list[Chunk]:
+        chunks = [c async for c in decode.stream(req, first, prefill.worker_id, refused)]
+        # The loop lives on, as a worker's does (a closed one would fail the stream's sink).
+        await asyncio.to_thread(wait_for, lambda: pool_whole(decode.stats()) and not decode.stats()["running"],
+                                10.0, lambda: f"the decode pool whole, nothing running: {decode.stats()}")
+        return chunks
+
+    decode.generate_local = cancelled_first
+    try:
+        chunks = asyncio.run(asyncio.wait_for(run(), 30))
+    finally:
+        del decode.generate_local
+        prefill.abort(rid)  # its KV waited for a push that never came
+    assert chunks[-1].finished and chunks[-1].finish_reason == "abort"
+    assert pool_whole(prefill.stats())
+
+
 # --- Ray clusters -------------------------------------------------------------------------------
 
 def run_requests(cluster, ids: list[int], tag: str, timeout_s: float = 90.0) -> list[tuple[list[int], Chunk]]:
