@@ -1,7 +1,8 @@
 """Fresh-clone test runs: does `.ci/run` pass, every time, on a clone of this checkout's HEAD?
 
 A newcomer's first `make test` (and CI's) starts from a clean clone: no .venv, no build
-outputs, Ray and redis-server started cold. This clones HEAD into a temporary directory N times,
+outputs, Ray and redis-server started cold. This clones HEAD N times beside this checkout (where
+../shared, the tests' shared data, is found), each clone's log beside it as fresh-clone-*.log,
 runs `bash .ci/run` in each (it installs everything, then runs the README's test command) and
 reads pytest's summary line. The figures merge into benchmarks/results/chaos.json (key prefix
 fresh_clone.) next to the chaos suite's start-up loop:
@@ -52,11 +53,12 @@ def parse_log(text: str) -> dict:
 
 
 def one_run(commit: str, keep: bool, quick: bool) -> dict:
-    work = Path(tempfile.mkdtemp(prefix="brigade-fresh-"))
-    clone = work / "brigade"
+    # Beside this checkout, as a user's clone is beside ../shared (the tests' shared data), never
+    # under /tmp: a longer path is part of what a newcomer's machine differs in, not the point.
+    clone = Path(tempfile.mkdtemp(prefix="fresh-clone-", dir=ROOT.parent))  # git clones into it: empty
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
     subprocess.run(["git", "-C", str(clone), "checkout", "-q", commit], check=True)
-    log = work / "ci.log"
+    log = clone.with_suffix(".log")
     cmd = ["bash", ".ci/run"] if not quick else ["make", "test", "PYTEST_ARGS=tests/unit"]
     t0 = time.perf_counter()
     with log.open("w") as f:
@@ -66,7 +68,7 @@ def one_run(commit: str, keep: bool, quick: bool) -> dict:
         f.write(f"rc={rc}\n")
     run = parse_log(log.read_text()) | {"wall_s": round(wall, 1), "commit": commit, "log": str(log)}
     if not keep:
-        subprocess.run(["rm", "-rf", str(clone)], check=False)
+        subprocess.run(["rm", "-rf", str(clone)], check=False)  # the log stays
     return run
 
 

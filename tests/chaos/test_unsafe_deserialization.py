@@ -147,7 +147,8 @@ def _listening(root_pid: int) -> list[tuple[str, str, int]]:
     for p in [root, *root.children(recursive=True)]:
         try:
             if _ours(p):
-                cmd = " ".join(p.cmdline())[:60]
+                argv = p.cmdline()  # the interpreter by name: a clone's long .venv path must not push
+                cmd = " ".join([Path(argv[0]).name, *argv[1:]])[:60]  # "-m cluster.cli" past the cut
                 out += [(cmd, c.laddr.ip, c.laddr.port) for c in p.net_connections(kind="tcp")
                         if c.status == psutil.CONN_LISTEN]
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
