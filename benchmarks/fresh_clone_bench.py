@@ -7,7 +7,7 @@ runs `bash .ci/run` in each (it installs everything, then runs the README's test
 reads pytest's summary line. The figures merge into benchmarks/results/chaos.json (key prefix
 fresh_clone.) next to the chaos suite's start-up loop:
 
-  fresh_clone.failures       failed + errored tests over all runs (target == 0)
+  fresh_clone.failures       failed + errored tests over all runs (target <= 0)
   fresh_clone.green_fraction runs whose .ci/run exited 0 (target >= 1.0)
 
   python benchmarks/fresh_clone_bench.py              # 3 runs (~15 minutes each on 2 cores)
@@ -34,7 +34,7 @@ import benchmarks._common as C  # noqa: E402
 
 NAME = "chaos"
 ROOT = Path(__file__).resolve().parent.parent
-TARGETS = {"fresh_clone.failures": "== 0", "fresh_clone.green_fraction": ">= 1.0"}
+TARGETS = {"fresh_clone.failures": "<= 0", "fresh_clone.green_fraction": ">= 1.0"}
 SUMMARY = re.compile(r"^=+ (?P<body>.*\d+ (?:passed|failed|error).*) in (?P<secs>[\d.]+)s")
 
 
