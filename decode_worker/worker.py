@@ -327,7 +327,7 @@ class DecodeWorker(EngineWorker):
             yield stream
         finally:
             self.streams.pop(request_id, None)
-            if not stream.finished or stream.aborted:  # aborted: nothing it started may outlive it
+            if not stream.finished:
                 await asyncio.to_thread(self.abort, request_id)
 
     async def cancel(self, request_id: str) -> None:

@@ -58,6 +58,10 @@ def quantize_model(model: nn.Module, method: str, checkpoint: Path) -> dict[str,
 
 
 def _swap(model: nn.Module, method: str) -> dict[str, int]:
+    weight = next(model.parameters(), None)
+    if method == "int4" and weight is not None and weight.device.type != "cpu":
+        raise QuantizationError(f"--quantization int4 runs torch's CPU int4 kernel; on {weight.device.type} "
+                                "use int8 or none")
     counts = {"int8": 0, "int4": 0}
     for parent in list(model.modules()):
         for attr, child in list(parent.named_children()):
@@ -65,9 +69,6 @@ def _swap(model: nn.Module, method: str) -> dict[str, int]:
             if type(child) is Linear and not isinstance(parent, SparseMoE):
                 w = child.weight_t.data.t() if child.transposed else child.weight.data  # (out, in)
                 bias = child.bias.data if child.bias is not None else None
-                if method == "int4" and w.device.type != "cpu":
-                    raise QuantizationError("--quantization int4 runs torch's CPU int4 kernel; on "
-                                            f"{w.device.type} use int8 or none")
                 if method == "int4" and w.shape[1] % INT4_GROUP == 0:
                     setattr(parent, attr, Int4Linear.quantize(w, bias, INT4_GROUP))
                     counts["int4"] += 1
