@@ -23,6 +23,7 @@ from router.index.query import PrefixHit, PrefixIndex
 from router.index.registry import RegistryError
 
 log = logging.getLogger(__name__)
+REREAD_S = 0.05  # bounds the extra reads while a candidate's lease stays missing (it re-registers soon, or dies)
 
 
 class IndexView:
@@ -35,6 +36,7 @@ class IndexView:
         self.model_id: str | None = None
         self.block_size = 0
         self.live: dict[str, int] = {}  # worker id -> lease epoch
+        self._reread_at = float("-inf")  # when a candidate missing from `live` last made us read it again
         self.available = False
         self.error: str | None = "not checked yet"
         self.queries = 0
@@ -64,19 +66,29 @@ class IndexView:
         held there on device (their events may not be published yet)."""
         if not self.available or self.index is None:
             return None
-        live = {w: self.live[w] for w in worker_ids if w in self.live}
 
-        def ask() -> tuple[list[bytes], dict[str, PrefixHit]]:  # off the event loop: hashing a long prompt
-            hashes = self.hashes(prompt, cache_salt)               # takes a while too
-            return hashes, self.index.query(hashes, live)
+        def ask() -> tuple[list[bytes], dict[str, PrefixHit], dict[str, int]]:  # off the event loop: hashing
+            live = self._live_of(worker_ids)                                   # a long prompt takes a while too
+            hashes = self.hashes(prompt, cache_salt)
+            return hashes, self.index.query(hashes, live), live
         try:
-            hashes, hits = await asyncio.to_thread(ask)
+            hashes, hits, live = await asyncio.to_thread(ask)
         except redis.RedisError as exc:
             self._down(exc)
             return None
         self.queries += 1
         self.recent.raise_hits(hashes, hits, live)
         return hashes, hits
+
+    def _live_of(self, worker_ids: Sequence[str]) -> dict[str, int]:
+        """The lease epochs of these candidates. If one is missing from the last refresh (its lease
+        came back just after it, as every lease does after a Redis restart), the leases are read
+        again now, at most once per REREAD_S: else its blocks would count as none until the next
+        health round, and requests meanwhile would go to a worker without their prefix."""
+        if any(w not in self.live for w in worker_ids) and time.monotonic() - self._reread_at >= REREAD_S:
+            self._reread_at = time.monotonic()
+            self.live = self.index.live_epochs()
+        return {w: self.live[w] for w in worker_ids if w in self.live}
 
     async def refresh(self) -> None:
         """Re-read the live leases (and notice Redis coming back)."""

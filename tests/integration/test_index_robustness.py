@@ -77,6 +77,36 @@ def test_a_view_over_bad_leases_refreshes_without_them(client, redis_server) -> 
         view.close()
 
 
+def test_a_lease_back_after_the_last_refresh_counts_at_the_next_query(client, redis_server, monkeypatch) -> None:
+    """After a Redis restart the leases come back one by one: a refresh in between misses some,
+    and until the next health round their holders' blocks must not count as none."""
+    registry = WorkerRegistry(client, prefix=PREFIX)
+    registry.register("prefill-0", "prefill")
+    view = IndexView(redis_server.url, IndexConfig(key_prefix=PREFIX), timeout_s=2.0)
+    try:
+        view.bind(MODEL, 4)
+        asyncio.run(view.refresh())
+        assert set(view.live) == {"prefill-0"}
+        epoch = registry.register("prefill-1", "prefill")  # just after the refresh, with its blocks
+        prompt = list(range(17))
+        for h in view.hashes(prompt, None):
+            client.hset(view.index.keys.block(h), "prefill-1", epoch * 8 + 1)
+        _, hits = asyncio.run(view.hits(prompt, None, ["prefill-0", "prefill-1"]))
+        assert hits.get("prefill-1") == PrefixHit(4, 4, 0, 0) and hits["prefill-0"].blocks == 0
+        client.delete(f"{PREFIX}:worker:prefill-1")  # its lease gone for good: one re-read per REREAD_S
+        asyncio.run(view.refresh())
+        monkeypatch.setattr("router.index.view.REREAD_S", 3600.0)
+        view._reread_at = float("-inf")
+        reads = []
+        view.index.live_epochs = lambda real=view.index.live_epochs: reads.append(1) or real()
+        for _ in range(20):
+            _, hits = asyncio.run(view.hits(prompt, None, ["prefill-0", "prefill-1"]))
+            assert "prefill-1" not in hits
+        assert len(reads) == 1
+    finally:
+        view.close()
+
+
 class Dying(FakeWorker):
     """Healthy until `die()`; then its health check says not alive."""
 
