@@ -10,6 +10,8 @@ fresh_clone.) next to the chaos suite's start-up loop:
   fresh_clone.failures       failed + errored tests over all runs (target <= 0)
   fresh_clone.green_fraction runs whose .ci/run exited 0 (target >= 1.0)
 
+Both are over this invocation's runs; the runs of earlier invocations stay in raw (earlier).
+
   python benchmarks/fresh_clone_bench.py              # 3 runs (~15 minutes each on 2 cores)
   python benchmarks/fresh_clone_bench.py --runs 1 --keep
 
@@ -108,8 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     path = C.result_path(NAME)
     old = json.loads(path.read_text()) if path.exists() else {"ratios": {}, "targets": {}, "raw": {}}
+    before = old["raw"].get("fresh_clone", {})  # the ratios are these runs'; earlier ones stay on record
+    earlier = before.get("earlier", []) + before.get("runs", [])
     C.write_result(NAME, old.get("machine") or C.machine_info(), old["ratios"] | ratios, old["targets"] | TARGETS,
-                   old["raw"] | {"fresh_clone": {"runs": runs, "machine": C.machine_info()}})
+                   old["raw"] | {"fresh_clone": {"runs": runs, "earlier": earlier, "machine": C.machine_info()}})
     print(f"fresh-clone figures merged into {path}")
     return 0
 
