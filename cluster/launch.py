@@ -16,6 +16,7 @@ from functools import partial
 
 import psutil
 import ray
+from ray.exceptions import ActorAlreadyExistsError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.config import ClusterConfig, cpu_budget, worker_config
@@ -33,6 +34,10 @@ NAMESPACE = "brigade"
 OBJECT_STORE_BYTES = 256 << 20  # KV moves over torch.distributed, not the object store
 START_TIMEOUT_S = 600.0  # a worker's start: loading weights, a placement group, pairing with its peers
 SHUTDOWN_NAMES_S = 10.0  # Cluster.shutdown waits this long at most for Ray to free its workers' names
+
+
+class WorkerNameTaken(RuntimeError):
+    """Another Brigade cluster in this Ray already runs a worker of that id (actor names are Ray-wide)."""
 
 
 def start_ray(cfg: ClusterConfig) -> None:
@@ -181,7 +186,13 @@ class Cluster:
         def start(engine_cfg, options: dict):
             actor = PrefillActor if role == "prefill" else DecodeActor
             opts = {**options, "name": worker_id, "max_concurrency": 1000}
-            return actor.options(**opts).remote(worker_id, engine_cfg, self.transfer, publisher)
+            try:
+                return actor.options(**opts).remote(worker_id, engine_cfg, self.transfer, publisher)
+            except ActorAlreadyExistsError:
+                raise WorkerNameTaken(
+                    f"a worker named {worker_id!r} already runs in this Ray cluster (namespace {NAMESPACE!r}): "
+                    "another Brigade cluster shares it. Stop that one first, or serve this one from another "
+                    "Ray cluster (--ray-address)") from None
 
         tp, ep = cfg.parallel.sizes(role)
         custom = cfg.placement.resources(role)  # e.g. only the pods of a KubeRay worker group have them
@@ -261,7 +272,11 @@ def launch(cfg: ClusterConfig, redis_url: str | None = None) -> Cluster:
         cfg.router, cfg.mode == "colocated", index)
     cluster = Cluster(cfg, router, index=index)
     roles = ["prefill"] * cfg.num_prefill + (["mixed"] if cfg.mode == "colocated" else ["decode"]) * cfg.decode
-    for role in roles:
-        cluster.add_worker(role)
+    try:
+        for role in roles:
+            cluster.add_worker(role)
+    except BaseException:  # a half-started cluster leaves nothing running behind: its router, its workers
+        cluster.shutdown()
+        raise
     log.info("cluster up: %s (pid %d)", sorted(cluster.workers), os.getpid())
     return cluster

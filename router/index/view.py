@@ -3,7 +3,8 @@
 When Redis cannot be reached the view says so once in the log, reports it in status, and
 answers no hits, so routing goes on by load alone (clients see no error). The router's
 health loop calls refresh() every interval; the first one that reaches Redis again brings
-the hits back (the workers re-publish their caches on their own, see publisher.py).
+the hits back (the workers re-publish their caches on their own, see publisher.py). A query
+whose candidates are not all in the last refresh's leases reads them again first.
 """
 from __future__ import annotations
 

@@ -266,6 +266,24 @@ def test_one_prefill_one_decode_give_the_engines_tokens(cluster, reference):
 
 
 @pytest.mark.timeout(120)
+def test_a_second_cluster_in_the_same_ray_is_refused_clearly_and_leaves_nothing_behind(cluster, ray_cluster,
+                                                                                       reference, monkeypatch):
+    from cluster import launch
+
+    made = []
+    real_init = launch.Cluster.__post_init__
+    monkeypatch.setattr(launch.Cluster, "__post_init__", lambda self: (made.append(self), real_init(self))[1])
+    named = sorted(ray.util.list_named_actors())
+    with pytest.raises(launch.WorkerNameTaken, match="'prefill-0' already runs in this Ray cluster"):
+        ray_cluster(prefill=1, decode=1)  # its worker ids are the running cluster's
+    with pytest.raises(ray.exceptions.RayActorError):  # the refused cluster's router was stopped
+        ray_get(made[0].router.status.remote())
+    assert sorted(ray.util.list_named_actors()) == named
+    tokens, last = run_requests(cluster, [0], "after-refusal")[0]  # the running one is untouched
+    check_response(0, tokens, last, reference)
+
+
+@pytest.mark.timeout(120)
 def test_abort_mid_stream_ends_the_stream_and_frees_both_sides(cluster):
     tokens, last = abort_mid_stream(cluster, "abort-me")
     assert last.timing is not None and (last.prefill_worker, last.decode_worker) == ("prefill-0", "decode-0")
