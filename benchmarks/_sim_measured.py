@@ -11,9 +11,12 @@ in the same benchmark run (benchmarks/_sim_validate.py has the pieces).
    1, 2 and 4 req/s of its shared-prefix workload (smaller: a short quiet run), and a
    shared-prefix routing run on 2 prefill workers + 1 decode (kv_aware over the real Redis
    index): each measured with `brigade bench run` against `brigade serve`, each simulated with
-   the same fleet, requests and arrival times. `sim_error_<figure>` is the largest relative
-   error over those runs, for p50 and p90 TTFT, mean TPOT, request throughput and the prefix
-   hit ratio.
+   the same fleet, requests and arrival times, on the serving path's costs of step 1 and the
+   mean of two engine fits taken on the running fleet just before and just after its
+   measured runs (this machine's speed drifts by tens of percent within minutes: other
+   tenants; one fit at the start predicted the last fleets 30-40% fast). `sim_error_<figure>`
+   is the largest relative error over those runs, for p50 and p90 TTFT, mean TPOT, request
+   throughput and the prefix hit ratio.
 3. Advisor: `brigade plan` (simulated, on the calibrated profile) picks the cheapest fleet of
    at most 3 workers whose requests meet ADVISOR_SLO at 90% under a bursty load (gamma
    arrivals, burstiness 0.25); that load is then measured on a sweep of 4 real fleets (and on
@@ -27,6 +30,7 @@ profile predict the real scheduler's queueing) does not depend on the weights' v
 """
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -36,6 +40,7 @@ from _sim_validate import (
     bench,
     calibrate,
     calibrate_serving,
+    engine_fit_around,
     errors,
     fleet_config,
     serve,
@@ -114,13 +119,21 @@ def run(out_dir: Path, quick: bool, parts: set[str]) -> tuple[dict, dict]:
             jobs.setdefault(fleet, []).append(("advisor", ADVISOR_LOAD, ADVISOR_SLO))
     measured: dict[tuple[str, str], list[dict]] = {}
     raw["failed_fleets"] = {}
+    profiles: dict[str, Path] = {}  # a validated fleet's profile: the engine fitted around its run
     for fleet, todo in jobs.items():
         print(f"  brigade serve {fleet.name} ({' '.join(fleet.serve_flags())})", flush=True)
+        validated = any(kind == "validate" for kind, _, _ in todo)
         try:  # one fleet that will not start (a loaded machine's Ray bootstrap) leaves the others' figures
             with serve(fleet, MODEL, NUM_BLOCKS, out_dir / "logs") as url:
+                if validated:  # the machine's speed drifts by tens of percent within minutes
+                    before = calibrate(MODEL, 1, out_dir / f"{fleet.name}-before.json")
                 for kind, load, slo in todo:
                     measured[(fleet.name, kind)] = bench(url, load, slo, out_dir / f"{fleet.name}-{kind}",
                                                          fleet.name)
+                if validated:
+                    after = calibrate(MODEL, 1, out_dir / f"{fleet.name}-after.json")
+                    profiles[fleet.name] = out_dir / f"{fleet.name}-profile.json"
+                    profiles[fleet.name].write_text(json.dumps(engine_fit_around(before, after, profile), indent=1))
         except (RuntimeError, subprocess.CalledProcessError) as exc:
             raw["failed_fleets"][fleet.name] = str(exc)
             print(f"  {fleet.name} failed: {exc}", flush=True)
@@ -129,9 +142,10 @@ def run(out_dir: Path, quick: bool, parts: set[str]) -> tuple[dict, dict]:
     if "validate" in parts:
         runs = []
         for fleet, load in validation:
-            if (fleet.name, "validate") not in measured:
+            if (fleet.name, "validate") not in measured or fleet.name not in profiles:
                 continue
-            sims = simulate_load(fleet, load, MODEL, profile_path, NUM_BLOCKS, parse_slo(SLO))
+            sims = simulate_load(fleet, load, MODEL, profiles[fleet.name], NUM_BLOCKS, parse_slo(SLO))
+            raw.setdefault("fleet_profiles", {})[fleet.name] = json.loads(profiles[fleet.name].read_text())
             for m, s in zip(measured[(fleet.name, "validate")], sims):
                 runs.append({"fleet": fleet.name, "rate": s["request_rate"], "errors": errors(m, s),
                              "measured": _figures(m), "simulated": _figures(s),

@@ -142,6 +142,24 @@ def calibrate(model: str, threads: int, out: Path, attempts: int = 3) -> dict:
     raise RuntimeError(f"brigade sim calibrate failed {attempts} times: {done.stderr.strip()[-300:]}")
 
 
+ENGINE_FIELDS = ("peak_flops", "mem_bw", "attn_eff", "step_overhead_s", "seq_overhead_s")
+
+
+def engine_fit_around(before: dict, after: dict, serving: dict) -> dict:
+    """A profile whose engine terms are the mean of two fits of the same steps (taken just
+    before and just after a measured run: the machine's speed drifts between runs), and whose
+    serving path's terms are `serving`'s. Means of the per-unit times (1 / rate, overheads):
+    the two fits share one design, so that is the fit of the mean step times."""
+    inv = {"peak_flops": lambda p: 1 / p["peak_flops"], "mem_bw": lambda p: 1 / p["mem_bw"],
+           "attn": lambda p: 1 / (p["peak_flops"] * p["attn_eff"])}
+    mean = {k: (f(before) + f(after)) / 2 for k, f in inv.items()}
+    out = {**serving, "peak_flops": 1 / mean["peak_flops"], "mem_bw": 1 / mean["mem_bw"],
+           "attn_eff": min(1.0, mean["peak_flops"] / mean["attn"])}
+    for k in ("step_overhead_s", "seq_overhead_s"):
+        out[k] = (before[k] + after[k]) / 2
+    return out
+
+
 def calibrate_serving(model: str, url: str, profile: Path, disaggregated: bool = False) -> dict:
     """`brigade sim calibrate --serving-only` against a running `brigade serve` of `model`
     (colocated: --url; disaggregated: --disagg-url): the profile, with the serving path's costs."""

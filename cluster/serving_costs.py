@@ -1,12 +1,16 @@
 """`brigade sim calibrate --url/--disagg-url`: the serving path's costs beyond the engine's
 steps, measured on a running `brigade serve` with loadtest's HTTP target (so it lives at the
 edge: sim/ imports only engine and router), into a device profile's request_overhead_s,
-request_overhead_per_token_s, token_overhead_s and handoff_overhead_s."""
+request_overhead_per_token_s, token_overhead_s, stream_cpu_s (with host_cores) and
+handoff_overhead_s."""
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
 import time
+
+import psutil
 
 from loadtest.targets import TargetConfig, make_target
 from loadtest.types import Message, Prompt
@@ -14,74 +18,133 @@ from sim.cost import Roofline, StepWork
 from sim.hardware import DeviceProfile
 from sim.shapes import ModelShape
 
+# Ray titles an actor's process after its class: the workers' (their steps are the engine fit's).
+WORKER_TITLES = ("ray::PrefillActor", "ray::DecodeActor", "ray::RankActor")
+
+
+def _serving_cpu_s() -> float:
+    """CPU seconds of every process on this machine but the workers': the door, the router,
+    Ray's and Redis's own, the kernel's, this client."""
+    total = 0.0
+    for proc in psutil.process_iter(["cmdline", "cpu_times"]):
+        cmd, cpu = proc.info["cmdline"] or [], proc.info["cpu_times"]
+        if cpu is None or (cmd and cmd[0].startswith(WORKER_TITLES)):
+            continue
+        total += cpu.user + cpu.system
+    return total
+
 
 def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggregated: bool = False,
-                    requests: int = 8, short_len: int = 4, long_len: int = 512, decode_tokens: int = 48,
-                    streams: int = 4) -> tuple[DeviceProfile, dict]:
+                    requests: int = 8, short_len: int = 4, long_len: int = 516, decode_tokens: int = 48,
+                    streams: int = 4, rounds: int = 2, idle_s: float = 1.0,
+                    block_size: int = 16) -> tuple[DeviceProfile, dict]:
     """The serving path's costs on a running `brigade serve` at `url` (of the preset the profile
     was fitted on), through loadtest's HTTP target as `brigade bench` sends requests; distinct
-    prompts (no prefix hit). A colocated serve gives
-    - token_overhead_s: per sampled sequence per step in a served worker (its chunk's way out
-      of the engine, the actor, the router and the door, which share the machine's cores with
-      the engine here): `streams` concurrent `decode_tokens`-token answers, their median time
-      per token less the fitted decode step of that batch, per sequence;
+    prompts (no prefix hit) but where said. A colocated serve gives
+    - worker_step_overhead_s and token_overhead_s: what a served worker's decode step costs
+      beyond the engine's fitted one, per step (its loop, the actor) and per sampled sequence
+      (its chunk's way out of the engine and the actor): the mean time per token of one
+      `decode_tokens`-token answer and of `streams` at once, in `rounds` interleaved rounds,
+      less the fitted steps of those batches, as a line through the two;
     - request_overhead_s + request_overhead_per_token_s * prompt tokens, once per request (the
-      door, the router, the actor calls, the prompt's ids through each): the median TTFTs of
-      one-token answers to `short_len`- and `long_len`-token prompts, one at a time, less their
-      prefill steps, as a line through the two.
+      door, the router's pick and index lookup, the actor calls, the prompt's ids through
+      each): the median TTFTs of one-token answers to a `short_len`-token prompt and to a
+      `long_len`-token one whose full blocks are cached (so its prefill step is short and its
+      noise does not drown the serving path's per-token cost), one at a time, less their
+      prefill steps, as a line through the two;
+    - stream_cpu_s: per streamed token, the CPU the machine spends outside the worker (the
+      router, the door and the client hand each chunk on, in their own processes, on the same
+      cores): over those streams, the CPU time of every process but the workers' less its
+      idle rate and their requests' way in, per token;
+    - host_cores: the cores this process may run on (the serve runs on the same machine).
     A disaggregated one (`disaggregated`, measured after the colocated one) gives
     handoff_overhead_s: what its short TTFT holds beyond that (the decode worker's reservation
-    and the prefill worker's answer, actor calls the simulated network does not time).
+    and the prefill worker's answer, actor calls the simulated network does not time), and
+    decode_worker_step_overhead_s and decode_token_overhead_s: the same two of its decode
+    worker, from the same streams.
     The profile with them set, and what was seen."""
     ids = iter(range(10**9))
 
-    async def one(target, prompt_len: int, max_tokens: int) -> tuple[float, float, int]:
-        i = next(ids)
+    async def one(target, prompt_len: int, max_tokens: int, i: int | None = None) -> tuple[float, float, int]:
+        i = next(ids) if i is None else i  # the same i: the same prompt (a prefix hit after the first)
         tokens = [101 + (7 * i + 13 * j) % 997 for j in range(prompt_len)]
         prompt = Prompt(f"calibrate-{i}", "calibrate", (Message("user", tokens),), max_tokens)
         sent = time.perf_counter()
         chunks = [c async for c in target.stream(prompt) if c.num_tokens]
         return chunks[0].time - sent, chunks[-1].time - sent, sum(c.num_tokens for c in chunks)
 
-    async def ttft(prompt_len: int) -> float:
-        target = make_target(TargetConfig(url=url, ignore_eos=True, return_token_ids=True, timeout_s=120))
-        try:
-            for _ in range(2):  # warm the path up
-                await one(target, prompt_len, 1)
-            return statistics.median([(await one(target, prompt_len, 1))[0] for _ in range(requests)])
-        finally:
-            await target.aclose()
+    def target():
+        return make_target(TargetConfig(url=url, ignore_eos=True, return_token_ids=True, timeout_s=120))
 
-    async def per_token() -> float:
-        target = make_target(TargetConfig(url=url, ignore_eos=True, return_token_ids=True, timeout_s=120))
+    async def ttft(prompt_len: int, hit: bool) -> float:
+        t = target()
+        same = next(ids) if hit else None
         try:
-            await one(target, short_len, 4)
-            runs = await asyncio.gather(*(one(target, short_len, decode_tokens) for _ in range(streams)))
-            return statistics.median((last - first) / (n - 1) for first, last, n in runs if n > 1)
+            for _ in range(2):  # warm the path up (and cache the prompt, for a hit)
+                await one(t, prompt_len, 1, same)
+            return statistics.median([(await one(t, prompt_len, 1, same))[0] for _ in range(requests)])
         finally:
-            await target.aclose()
+            await t.aclose()
 
-    roofline = Roofline(shape, profile)
+    async def streaming(width: int) -> tuple[float, float, float, int, int]:
+        """`width` concurrent answers: (median time per token, the CPU seconds of every
+        process but the workers', wall seconds, tokens, requests)."""
+        t = target()
+        try:
+            await one(t, short_len, 4)
+            cpu, wall = _serving_cpu_s(), time.perf_counter()
+            runs = await asyncio.gather(*(one(t, short_len, decode_tokens) for _ in range(width)))
+            cpu, wall = _serving_cpu_s() - cpu, time.perf_counter() - wall
+            per_token = statistics.median((last - first) / (n - 1) for first, last, n in runs if n > 1)
+            return per_token, cpu, wall, sum(n for _, _, n in runs), width
+        finally:
+            await t.aclose()
+
+    engine_only = Roofline(shape, profile.model_copy(update={"token_overhead_s": 0.0, "worker_step_overhead_s": 0.0}))
     seen: dict = {}
     update: dict = {}
+    idle = _serving_cpu_s()
+    time.sleep(idle_s)
+    idle_rate = (_serving_cpu_s() - idle) / idle_s  # Ray's and Redis's own polling, the OS
+    # One stream and `streams` at once, in interleaved rounds (the machine's speed drifts):
+    # what a served worker's decode step costs beyond the engine's, per step and per token.
+    widths = (1, 1, 1, streams) * rounds
+    runs = [asyncio.run(streaming(w)) for w in widths]
+    beyond = {}
+    for width in (1, streams):
+        per_token = statistics.mean(r[0] for w, r in zip(widths, runs) if w == width)
+        step = engine_only.step_s(StepWork.of([(1, short_len + decode_tokens // 2, True)] * width))
+        beyond[width] = per_token - step
+        seen[f"time_per_token_{width}_streams_s"], seen[f"decode_step_{width}_s"] = per_token, step
+    per_seq = max(0.0, (beyond[streams] - beyond[1]) / (streams - 1))
+    per_step = max(0.0, beyond[1] - per_seq)
+    prefix = "decode_" if disaggregated else ""  # a disaggregated fleet's decode worker has its own
+    update[f"{prefix}token_overhead_s"], update[f"{prefix}worker_step_overhead_s"] = per_seq, per_step
+    cpu, wall = sum(r[1] for r in runs), sum(r[2] for r in runs)
+    tokens, requests_n = sum(r[3] for r in runs), sum(r[4] for r in runs)
+    seen |= {"serving_cpu_s": cpu, "streaming_wall_s": wall, "streamed_tokens": tokens, "idle_cpu_rate": idle_rate}
     if not disaggregated:
-        t = asyncio.run(per_token())
-        step = roofline.step_s(StepWork.of([(1, short_len + decode_tokens // 2, True)] * streams))
-        update["token_overhead_s"] = max(0.0, (t - step) / streams)
-        seen |= {"median_time_per_token_s": t, "decode_step_s": step, "streams": streams}
         profile = profile.model_copy(update=update)
-        roofline = Roofline(shape, profile)
+    roofline = Roofline(shape, profile)
     lens = (short_len,) if disaggregated else (short_len, long_len)
     over = {}
     for n in lens:
-        measured = asyncio.run(ttft(n))
-        over[n] = measured - roofline.step_s(StepWork.of([(n, 0, True)]))
+        cached = 0 if n == short_len else (n - 1) // block_size * block_size  # a hit leaves >= 1 token to run
+        measured = asyncio.run(ttft(n, hit=bool(cached)))
+        over[n] = measured - roofline.step_s(StepWork.of([(n - cached, cached, True)]))
         seen[f"median_ttft_{n}_s"] = measured
     if disaggregated:
         base = profile.request_overhead_s + profile.request_overhead_per_token_s * short_len
         update["handoff_overhead_s"] = max(0.0, over[short_len] - base)
-    else:
-        slope = max(0.0, (over[long_len] - over[short_len]) / (long_len - short_len))
-        update["request_overhead_per_token_s"] = slope
-        update["request_overhead_s"] = max(0.0, over[short_len] - slope * short_len)
+        return profile.model_copy(update=update), seen
+    slope = max(0.0, (over[long_len] - over[short_len]) / (long_len - short_len))
+    update["request_overhead_per_token_s"] = slope
+    update["request_overhead_s"] = max(0.0, over[short_len] - slope * short_len)
+    profile = profile.model_copy(update=update)
+    # What the streaming cost the machine beside the worker, less its requests' way in.
+    requests_s = requests_n * (profile.request_overhead_s + profile.request_overhead_per_token_s * short_len)
+    update["stream_cpu_s"] = max(0.0, (cpu - idle_rate * wall - requests_s) / max(1, tokens))
+    if profile.host_cores is None:  # an engine fit sets it (a core per torch thread of a step)
+        update["host_cores"] = float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                     else os.cpu_count() or 1)
     return profile.model_copy(update=update), seen

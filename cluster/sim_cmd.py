@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from pathlib import Path
 
 SIM_EPILOG = """\
@@ -211,6 +212,7 @@ def run(args: argparse.Namespace, _cfg) -> int:
 
 def _calibrate(args: argparse.Namespace) -> int:
     from cluster.serving_costs import measure_serving
+    from engine.config import CacheConfig
     from engine.presets import PRESETS
     from sim.calibrate import fit, measure
     from sim.hardware import load_device
@@ -223,21 +225,33 @@ def _calibrate(args: argparse.Namespace) -> int:
         profile = load_device(args.out)
     else:
         shape, samples, dtype_bytes = measure(args.preset, threads=args.threads, dtype=args.dtype)
-        profile, report = fit(shape, samples, dtype_bytes)
+        # Each simulated step takes one of the host's slots: a core per torch thread of a step.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        import torch
+
+        threads = args.threads or torch.get_num_threads()
+        profile, report = fit(shape, samples, dtype_bytes, host_cores=max(1.0, cores / threads))
         for e in report["samples"]:
-            print(f"{e['kind']:8s} {e['tokens']:5d} tokens  measured {e['measured_s'] * 1000:8.2f} ms  "
+            print(f"{e['kind']:8s} {e['tokens']:5d} tokens after {e['context']:5d}  "
+                  f"measured {e['measured_s'] * 1000:8.2f} ms  "
                   f"fitted {e['predicted_s'] * 1000:8.2f} ms  ({e['error']:+.1%})")
-        print(f"peak {profile.peak_flops / 1e9:.1f} GFLOP/s, memory {profile.mem_bw / 1e9:.1f} GB/s, "
-              f"step overhead {profile.step_overhead_s * 1000:.2f} ms")
+        print(f"peak {profile.peak_flops / 1e9:.1f} GFLOP/s (attention at {profile.attn_eff:.2f} of it), "
+              f"memory {profile.mem_bw / 1e9:.1f} GB/s, "
+              f"step overhead {profile.step_overhead_s * 1000:.2f} ms + {profile.seq_overhead_s * 1000:.2f} ms "
+              f"per sampled sequence; {profile.host_cores:g} steps at once on this host's {cores} cores")
     shape = ModelShape.from_config(args.preset, PRESETS[args.preset].config)
     if args.url:
-        profile, seen = measure_serving(args.url, profile, shape)
+        profile, seen = measure_serving(args.url, profile, shape, block_size=CacheConfig().block_size)
         print(f"serving path: {profile.request_overhead_s * 1000:.1f} ms per request + "
               f"{profile.request_overhead_per_token_s * 1e6:.1f} us per prompt token, "
-              f"{profile.token_overhead_s * 1000:.2f} ms per streamed token ({seen})")
+              f"a served worker's step {profile.worker_step_overhead_s * 1000:.2f} ms + "
+              f"{profile.token_overhead_s * 1000:.2f} ms per streamed token beyond the engine's, and "
+              f"{profile.stream_cpu_s * 1000:.2f} ms of CPU beside it per streamed token ({seen})")
     if args.disagg_url:
         profile, seen = measure_serving(args.disagg_url, profile, shape, disaggregated=True)
-        print(f"disaggregated: {profile.handoff_overhead_s * 1000:.1f} ms more per request ({seen})")
+        print(f"disaggregated: {profile.handoff_overhead_s * 1000:.1f} ms more per request; the decode worker's "
+              f"step {profile.decode_worker_step_overhead_s * 1000:.2f} ms + "
+              f"{profile.decode_token_overhead_s * 1000:.2f} ms per streamed token beyond the engine's ({seen})")
     Path(args.out).write_text(profile.model_dump_json(indent=1))
     print(f"wrote {args.out}")
     return 0

@@ -7,7 +7,9 @@ A step computes `tokens` new tokens over sequences with given contexts. Per TP r
           + KV read (context + new tokens of every sequence) + KV written (new tokens)
     step_s = max(flops / (peak_flops * compute_eff), bytes / (mem_bw * bw_eff))
            + 2 * layers all-reduces of tokens * hidden (TP > 1) + step_overhead_s
-           + token_overhead_s * sampled (a served worker's cost per streamed chunk; calibrated)
+           + worker_step_overhead_s (a served worker's loop and actor per step; calibrated)
+           + (seq_overhead_s + token_overhead_s) * sampled (the engine's per-sequence cost and a
+             served worker's per streamed chunk; both calibrated)
 
 A prefill chunk of a few thousand tokens is compute-bound; a decode step of one token per
 sequence reads every weight and the whole KV for little arithmetic, so it is memory-bound.
@@ -62,6 +64,10 @@ class Roofline:
     def flops(self, w: StepWork) -> float:
         return (self._token_flops * w.tokens + self._pair_flops * w.attn_pairs + self._head_flops * w.sampled) / self.tp
 
+    def attn_flops(self, w: StepWork) -> float:
+        """The query-key part of flops() (what runs at the device's attn_eff)."""
+        return self._pair_flops * w.attn_pairs / self.tp
+
     def bytes(self, w: StepWork) -> float:
         weights = self._dense_bytes
         s, d = self.shape, self.device.dtype_bytes
@@ -71,7 +77,8 @@ class Roofline:
         return (weights + self._kv_token * (w.kv_tokens + w.tokens)) / self.tp
 
     def compute_s(self, w: StepWork) -> float:
-        return self.flops(w) / self._flops_per_s
+        attn = self.attn_flops(w)
+        return (self.flops(w) - attn + attn / self.device.attn_eff) / self._flops_per_s
 
     def memory_s(self, w: StepWork) -> float:
         return self.bytes(w) / self._bytes_per_s
@@ -82,10 +89,11 @@ class Roofline:
     def step_s(self, w: StepWork) -> float:
         if not w.tokens:
             return 0.0
-        t = max(self.compute_s(w), self.memory_s(w)) + self.device.step_overhead_s
-        t += self.device.token_overhead_s * w.sampled
+        d = self.device
+        t = max(self.compute_s(w), self.memory_s(w)) + d.step_overhead_s + d.worker_step_overhead_s
+        t += (d.seq_overhead_s + d.token_overhead_s) * w.sampled
         if self.tp > 1:  # two ring all-reduces of the activations per layer
-            size = w.tokens * self.shape.hidden * self.device.dtype_bytes * 2 * (self.tp - 1) / self.tp
+            size = w.tokens * self.shape.hidden * d.dtype_bytes * 2 * (self.tp - 1) / self.tp
             t += 2 * self.shape.layers * self.tp_link.transfer_s(size)
         return t
 

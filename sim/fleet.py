@@ -18,6 +18,7 @@ from router.errors import NoWorker, Overloaded
 from router.router import Router
 from sim.clock import run_virtual
 from sim.cost import Roofline
+from sim.cpu_host import CpuHost
 from sim.engine import OUT_TOKEN, SimEngine
 from sim.hardware import load_device, load_link
 from sim.index import MemoryIndex, MemoryIndexView
@@ -94,9 +95,16 @@ class Fleet:
         # simulated run is the same every time (the router has no seed setting of its own).
         self.router.picker._rng.seed(cfg.seed)
         self.workers: list[SimWorker] = []
+        # A CPU machine's profile: one host's cores under every worker and the serving path.
+        self.cpu = CpuHost(self.device.host_cores) if self.device.host_cores else None
 
     def _worker(self, worker_id: str, role: str, tp: int) -> SimWorker:
-        cost = Roofline(self.shape, self.device, tp, load_link(self.device.intra_link) if tp > 1 else None)
+        device = self.device
+        if role == "decode":  # a disaggregated decode worker's own serving costs, where measured
+            own = {"worker_step_overhead_s": device.decode_worker_step_overhead_s,
+                   "token_overhead_s": device.decode_token_overhead_s}
+            device = device.model_copy(update={k: v for k, v in own.items() if v is not None})
+        cost = Roofline(self.shape, device, tp, load_link(device.intra_link) if tp > 1 else None)
         blocks = self.cfg.num_blocks or max(2, cost.kv_capacity_tokens(self.cfg.memory_fraction) // self.cfg.block_size)
         # A decode worker's own prefix cache changes none of its decisions (its blocks come with
         # the request, and cached blocks count as free): off, which spares hashing every prompt again.
@@ -109,7 +117,7 @@ class Fleet:
         return SimWorker(worker_id, role, engine, self.network, self.link, self.shape.name,
                          cost.kv_bytes(1), index=self.index if role != "decode" else None,
                          publish_delay_s=self.cfg.publish_delay_s, stream_every=self.cfg.stream_every,
-                         tp_size=tp).start()
+                         tp_size=tp, cpu=self.cpu).start()
 
     def request_overhead_s(self, prompt_tokens: int) -> float:
         """The serving path's cost per request on this fleet, outside the engine (the profile's)."""
@@ -129,9 +137,33 @@ class Fleet:
             self.workers.append(w)
             await self.router.add_worker(w)
 
+    def serving_path(self, prompt_tokens: int) -> ServingPath:
+        return ServingPath(self.request_overhead_s(prompt_tokens), self.device.stream_cpu_s, self.cpu)
+
+
+@dataclass(frozen=True)
+class ServingPath:
+    """What a request costs outside the engine's steps: `overhead_s` once (half on the way in,
+    before the router sees it, half on its first chunk's way back) and `stream_cpu_s` per
+    streamed token. On a CPU host both are work on its shared cores, so they stretch when
+    the workers keep the cores busy and slow the workers' steps in turn; without a host the
+    overhead is a fixed delay and the streaming free."""
+
+    overhead_s: float = 0.0
+    stream_cpu_s: float = 0.0
+    cpu: CpuHost | None = None
+
+    async def take(self, seconds: float) -> None:
+        if seconds > 0:
+            await (self.cpu.run(seconds) if self.cpu is not None else asyncio.sleep(seconds))
+
+    def streamed(self, tokens: int) -> None:
+        if self.cpu is not None:
+            self.cpu.spend(self.stream_cpu_s * tokens)
+
 
 async def _session(router: Router, session: SimSession, t0: float,
-                   overhead_s: Callable[[int], float]) -> list[SimRecord]:
+                   path: Callable[[int], ServingPath]) -> list[SimRecord]:
     history: list[int] = list(session.system) if session.system is not None else []
     records = []
     for k, (part, output_len) in enumerate(session.turns):
@@ -141,7 +173,7 @@ async def _session(router: Router, session: SimSession, t0: float,
         rid = f"{session.session_id}-t{k}" if len(session.turns) > 1 else session.session_id
         params = SamplingParams(max_tokens=output_len, ignore_eos=True)
         rec = await _request(router, GenerateRequest(rid, history, params, session.cache_salt), session.session_id,
-                             k, t0, overhead_s(len(history)))
+                             k, t0, path(len(history)))
         records.append(rec)
         if not rec.ok:
             break  # the next turn would need this answer
@@ -150,20 +182,23 @@ async def _session(router: Router, session: SimSession, t0: float,
 
 
 async def _request(router: Router, req: GenerateRequest, session_id: str, turn: int, t0: float,
-                   overhead_s: float = 0.0) -> SimRecord:
-    """One request through the router. The serving path's fixed cost (Fleet.request_overhead_s)
-    is split between the way in, before the router sees the request, and the way back, on
-    every chunk."""
+                   path: ServingPath = ServingPath()) -> SimRecord:
+    """One request through the router, its serving path's costs (Fleet.serving_path) around it."""
     loop = asyncio.get_running_loop()
     sent = loop.time()
     rec = SimRecord(req.request_id, session_id, turn, start_s=sent - t0, prompt_tokens=len(req.prompt_token_ids))
-    back_s = overhead_s / 2
+    back_s = path.overhead_s / 2
+    first: asyncio.Task | None = None  # the first chunk's way back (on a host, its length varies)
     try:
-        if overhead_s:
-            await asyncio.sleep(overhead_s - back_s)
+        await path.take(path.overhead_s - back_s)
         async for chunk in router.generate(req):
             if chunk.token_ids:
-                rec.chunk_times_s.append(loop.time() + back_s - sent)
+                path.streamed(len(chunk.token_ids))
+                if first is None:
+                    first = loop.create_task(path.take(back_s))
+                    first.add_done_callback(lambda _: rec.chunk_times_s.insert(0, loop.time() - sent))
+                else:
+                    rec.chunk_times_s.append(loop.time() + back_s - sent)
                 rec.chunk_tokens.append(len(chunk.token_ids))
             if chunk.usage is not None:
                 rec.output_tokens, rec.cached_tokens = chunk.usage.completion_tokens, chunk.usage.cached_tokens
@@ -173,7 +208,12 @@ async def _request(router: Router, req: GenerateRequest, session_id: str, turn: 
         rec.error_kind, rec.error = "http_429", str(exc)
     except NoWorker as exc:
         rec.error_kind, rec.error = "http_503", str(exc)
-    rec.e2e_s = loop.time() + back_s - sent
+    ended = loop.time() + back_s - sent
+    if first is not None:
+        await first
+        # The later chunks left behind the first one: none reaches the client before it.
+        rec.chunk_times_s = [max(rec.chunk_times_s[0], t) for t in rec.chunk_times_s]
+    rec.e2e_s = max([ended, *rec.chunk_times_s])
     if rec.ok:
         rec.output_tokens = rec.output_tokens or sum(rec.chunk_tokens)
         rec.ttft_s = rec.chunk_times_s[0] if rec.chunk_times_s else None
@@ -192,7 +232,7 @@ async def _run(cfg: FleetConfig, sessions: list[SimSession]) -> tuple[list[SimRe
     tasks = []
     for s in sorted(sessions, key=lambda s: s.arrival_s):  # each session's task starts when it arrives
         await asyncio.sleep(max(0.0, t0 + s.arrival_s - loop.time()))
-        tasks.append(loop.create_task(_session(fleet.router, s, t0, fleet.request_overhead_s)))
+        tasks.append(loop.create_task(_session(fleet.router, s, t0, fleet.serving_path)))
     records = [r for done in await asyncio.gather(*tasks) for r in done]
     duration = loop.time() - t0
     net = fleet.network

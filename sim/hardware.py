@@ -30,18 +30,38 @@ class DeviceProfile(_Frozen):
     mem_bytes: float = Field(gt=0)  # device memory: weights + KV pool
     compute_eff: float = Field(1.0, gt=0, le=1)  # reachable fraction of peak_flops
     bw_eff: float = Field(1.0, gt=0, le=1)  # reachable fraction of mem_bw
+    # Attention's query-key work reaches this fraction of the matmuls' rate (a CPU engine's
+    # paged attention runs well below its GEMMs: about a third on the machine here; calibrate
+    # fits it from prefills over cached prefixes). 1 for the catalog's GPUs (fused kernels).
+    attn_eff: float = Field(1.0, gt=0, le=1)
     step_overhead_s: float = Field(0.0, ge=0)  # per engine step: launches, scheduling, sampling
+    # Per sampled sequence per step, inside the engine: sampling and each sequence's own
+    # bookkeeping (calibrate fits it; a GPU's batched sampler makes it negligible there).
+    seq_overhead_s: float = Field(0.0, ge=0)
     # Per request, outside the engine's steps: the door's parsing and tokenizing, the router's
     # pick, the actor calls there and back. `brigade sim calibrate --url` measures it on a real
     # `brigade serve`; the catalog's GPUs leave it 0 (not modelled).
     request_overhead_s: float = Field(0.0, ge=0)
     request_overhead_per_token_s: float = Field(0.0, ge=0)  # and per prompt token (its ids through each hop)
-    # Per sampled sequence per step, in a served worker: its chunk's way out of the engine, the
-    # actor, the router and the door (calibrate --url; 0 for the catalog's GPUs).
+    # A served worker's decode step beyond the engine's: per step (its loop, the actor) and per
+    # sampled sequence (its chunk's way out of the engine and the actor). calibrate --url
+    # measures both on a colocated worker; 0 for the catalog's GPUs.
+    worker_step_overhead_s: float = Field(0.0, ge=0)
     token_overhead_s: float = Field(0.0, ge=0)
+    # The same two in a disaggregated fleet's decode worker (calibrate --disagg-url; None: as
+    # the colocated worker's). They differ: alone, one token costs such a decode worker 40%
+    # more than a colocated one on the AMD machine here.
+    decode_worker_step_overhead_s: float | None = Field(None, ge=0)
+    decode_token_overhead_s: float | None = Field(None, ge=0)
     # Per request of a disaggregated fleet, beyond request_overhead_s: the decode worker's
     # reservation and the prefill worker's answer (calibrate --disagg-url; 0 for the catalog's GPUs).
     handoff_overhead_s: float = Field(0.0, ge=0)
+    # A CPU machine: its cores, shared by every worker's engine thread and the serving path
+    # (processor sharing, sim/cpu_host.py). None: each worker has its device to itself (a GPU).
+    host_cores: float | None = Field(None, gt=0)
+    # Per streamed token, the serving path's CPU outside the worker's step (the router, the
+    # door, the client), on host_cores beside the workers (calibrate --url; 0 for the GPUs).
+    stream_cpu_s: float = Field(0.0, ge=0)
     dtype_bytes: int = Field(2, ge=1)  # weights and KV
     intra_link: str = "nvlink4"  # between the ranks of one TP group
     inter_link: str = "rdma-ndr400"  # between a prefill and a decode worker

@@ -1,7 +1,9 @@
 """A simulated worker behind the router's `WorkerClient` seam (router/workers.py).
 
 Each worker runs its SimEngine in a loop on the virtual clock: plan a step (the real
-scheduler), sleep the step's cost, finish it, wake whoever waits on its sequences. Its cache
+scheduler), sleep the step's cost (on a CPU machine, run it on the cores it shares:
+sim/cpu_host.py), finish it, wake whoever waits on its sequences. A reservation waits for the
+step in flight, as the real decode worker's does. Its cache
 events reach the in-memory index `publish_delay_s` later (the real publisher batches them).
 A decode worker pulls a request's KV from its prefill worker over the configured link
 (bytes / bandwidth + latency), then admits it into the blocks it reserved. `kill()` makes a
@@ -24,6 +26,7 @@ from engine.messages import Aborted, Chunk, GenerateRequest, PrefillResult, Timi
 from engine.outputs import Usage
 from engine.sequence import Sequence, SequenceStatus
 from router.errors import WorkerLost
+from sim.cpu_host import CpuHost
 from sim.engine import OUT_TOKEN, SimEngine
 from sim.hardware import LinkProfile
 from sim.index import MemoryIndex
@@ -47,17 +50,19 @@ class _Stream:
 class SimWorker:
     def __init__(self, worker_id: str, role: str, engine: SimEngine, network: Network, link: LinkProfile,
                  model_id: str, kv_bytes_per_token: int, index: MemoryIndex | None = None,
-                 publish_delay_s: float = 0.05, stream_every: int = 16, tp_size: int = 1):
+                 publish_delay_s: float = 0.05, stream_every: int = 16, tp_size: int = 1, cpu: CpuHost | None = None):
         self.worker_id, self.role, self.engine, self.network, self.link = worker_id, role, engine, network, link
         self.model_id, self.kv_bytes_per_token = model_id, kv_bytes_per_token
         self.index, self.publish_delay_s = index, publish_delay_s
-        self.stream_every, self.tp_size = max(1, stream_every), tp_size
+        self.stream_every, self.tp_size, self.cpu = max(1, stream_every), tp_size, cpu
         self.busy_s = 0.0
         self.steps = 0
         self.transferred_bytes = 0
         self._streams: dict[str, _Stream] = {}
         self._accepts: asyncio.Queue[str] = asyncio.Queue()
         self._wake = asyncio.Event()
+        self._between = asyncio.Event()  # set while no step is in flight
+        self._between.set()
         self._loop_task: asyncio.Task | None = None
         self.alive = True
         network.workers[worker_id] = self
@@ -78,14 +83,20 @@ class SimWorker:
             now = loop.time()
             for s in batch:
                 self.network.scheduled_at.setdefault(s.seq.request_id, now)
-            steady = self.engine.steady_steps(batch, self.stream_every)
-            repeats = await self._steady(steady) if steady else 1
-            if not steady:
-                await asyncio.sleep(seconds)
-                self.busy_s += seconds
+            self._between.clear()
+            # On a shared CPU host every step's length depends on what else runs beside it,
+            # so steps go one at a time there; a device of its own repeats a steady batch.
+            steady = self.engine.steady_steps(batch, self.stream_every) if self.cpu is None else []
+            if steady:
+                repeats = await self._steady(steady)
+            else:
+                repeats = 1
+                await (self.cpu.run(seconds) if self.cpu is not None else asyncio.sleep(seconds))
+                self.busy_s += loop.time() - now
             self.steps += repeats
             for seq in self.engine.finish(batch, repeats):
                 self._progress(seq)
+            self._between.set()
             if self.index is not None:
                 events = self.engine.take_events()
                 if events:
@@ -133,6 +144,7 @@ class SimWorker:
         self.alive = False
         if self._loop_task is not None:
             self._loop_task.cancel()
+        self._between.set()  # a reservation waiting for the step in flight learns of the death
         for stream in self._streams.values():
             if stream.first is not None and not stream.first.done():
                 stream.first.set_exception(WorkerLost(self.worker_id))
@@ -150,7 +162,13 @@ class SimWorker:
                             running=len(self.engine.scheduler.running), tp_size=self.tp_size)
 
     async def reserve(self, request_id: str, num_tokens: int) -> bool:
+        """As the real decode worker, the reservation runs on the engine's loop between steps:
+        it waits for the step in flight (a steady run of them ends after the current one)."""
         self._check()
+        if not self._between.is_set():
+            self._poke()
+            await self._between.wait()
+            self._check()
         return self.engine.reserve(request_id, num_tokens)
 
     async def prefill(self, req: GenerateRequest) -> PrefillResult:

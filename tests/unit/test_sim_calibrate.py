@@ -10,17 +10,22 @@ from sim.hardware import DeviceProfile
 from sim.shapes import load_shape
 
 
-def test_fit_recovers_the_profile_that_made_the_samples() -> None:
+@pytest.mark.parametrize("seq_overhead_s", [0.0, 0.0015])
+def test_fit_recovers_the_profile_that_made_the_samples(seq_overhead_s: float) -> None:
+    """Per step and per sampled sequence apart: a CPU engine's decode step grows with its batch
+    by far more than its flops (sampling, each sequence's own work)."""
     shape = load_shape("bench")
     truth = DeviceProfile(name="t", peak_flops=210e9, mem_bw=21e9, mem_bytes=8e9, step_overhead_s=0.004,
-                          dtype_bytes=4)
+                          seq_overhead_s=seq_overhead_s, dtype_bytes=4)
     r = Roofline(shape, truth)
     works = [("prefill", StepWork.of([(n, 0, True)])) for n in (128, 512, 1024)]
-    works += [("decode", StepWork.of([(1, 258, True)] * b)) for b in (1, 2, 4)]
-    profile, report = fit(shape, [Sample(k, w, r.step_s(w)) for k, w in works], dtype_bytes=4)
+    works += [("decode", StepWork.of([(1, 258, True)] * b)) for b in (1, 2, 4, 8)]
+    profile, report = fit(shape, [Sample(k, w, r.step_s(w)) for k, w in works], dtype_bytes=4, host_cores=2)
     assert profile.peak_flops == pytest.approx(210e9, rel=1e-6)
     assert profile.mem_bw == pytest.approx(21e9, rel=1e-6)
     assert profile.step_overhead_s == pytest.approx(0.004, rel=1e-6)
+    assert profile.seq_overhead_s == pytest.approx(seq_overhead_s, abs=1e-9)
+    assert profile.host_cores == 2
     assert report["max_abs_error"] < 1e-6
 
 
@@ -46,3 +51,22 @@ def test_a_negative_intercept_is_refitted_as_none_not_clamped() -> None:
     assert profile.step_overhead_s == 0.0
     decode_errors = [abs(e["error"]) for e in report["samples"] if e["kind"] == "decode"]
     assert max(decode_errors) < 0.1  # decode steps still predicted at their measured time
+
+
+def test_attention_below_the_matmuls_rate_is_fitted_from_prefills_over_cached_prefixes() -> None:
+    """A CPU engine's attention runs far below its GEMMs: a prefix hit's short prefill over a
+    long cached context costs more than its flops at the matmuls' rate say."""
+    shape = load_shape("bench")
+    truth = DeviceProfile(name="t", peak_flops=200e9, mem_bw=12e9, mem_bytes=8e9, attn_eff=0.3,
+                          seq_overhead_s=0.001, dtype_bytes=2)
+    r = Roofline(shape, truth)
+    works = [("prefill", StepWork.of([(n, 0, True)])) for n in (64, 256, 512, 1024)]
+    works += [("prefill", StepWork.of([(n, ctx, True)])) for n, ctx in ((32, 512), (128, 512), (32, 1024))]
+    works += [("decode", StepWork.of([(1, 258, True)] * b)) for b in (1, 2, 4, 8)]
+    profile, report = fit(shape, [Sample(k, w, r.step_s(w)) for k, w in works], dtype_bytes=2)
+    assert profile.attn_eff == pytest.approx(0.3, rel=1e-6)
+    assert profile.peak_flops == pytest.approx(200e9, rel=1e-6)
+    assert report["max_abs_error"] < 1e-6
+    hit = StepWork.of([(32, 1024, True)])
+    at_matmul_rate = Roofline(shape, profile.model_copy(update={"attn_eff": 1.0}))
+    assert Roofline(shape, profile).step_s(hit) > at_matmul_rate.step_s(hit)

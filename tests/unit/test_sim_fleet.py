@@ -151,3 +151,45 @@ def test_a_profiles_request_overhead_is_in_every_ttft_and_e2e(tmp_path) -> None:
         assert slow[rid].ttft_s == pytest.approx(plain[rid].ttft_s + overhead)
         assert slow[rid].e2e_s == pytest.approx(plain[rid].e2e_s + overhead)
         assert slow[rid].output_tokens == plain[rid].output_tokens == 3
+
+
+def _profile(tmp_path, **fields) -> str:
+    path = tmp_path / f"profile-{len(list(tmp_path.iterdir()))}.json"
+    path.write_text(load_device("cpu-2core").model_copy(update=fields).model_dump_json())
+    return str(path)
+
+
+def test_a_reservation_waits_for_the_decode_step_in_flight() -> None:
+    """As the real decode worker's engine loop, which runs a reservation between steps."""
+    transfer = LINK.transfer_s(COST.kv_bytes(64))
+    d0 = COST.step_s(StepWork.of([(1, 64, True)]))
+    b_at = prefill_s(64) + transfer + d0 / 2  # halfway through a's first decode step
+    sessions = [SimSession("a", 0.0, ((list(range(64)), 20),)), SimSession("b", b_at, ((list(range(500, 564)), 2),))]
+    rec = {r.request_id: r for r in simulate(FLEET, sessions)["records"]}
+    assert rec["b"].ttft_s == pytest.approx(d0 / 2 + prefill_s(64))
+
+
+def test_workers_beyond_the_hosts_cores_share_them(tmp_path) -> None:
+    """Two mixed workers prefilling at once: on two cores each step takes its own time, on one
+    core both take twice as long."""
+    sessions = [SimSession(s, 0.0, ((list(range(k, k + 64)), 1),)) for s, k in (("a", 0), ("b", 500))]
+    colocated = FLEET.model_copy(update={"mode": "colocated", "prefill": 2, "decode": 0})
+    for cores, stretch in ((2, 1), (1, 2)):
+        fleet = colocated.model_copy(update={"device": _profile(tmp_path, host_cores=cores)})
+        run = simulate(fleet, sessions)
+        assert sorted(r.ttft_s for r in run["records"]) == pytest.approx([stretch * prefill_s(64)] * 2)
+
+
+def test_streaming_work_slows_the_steps_only_when_the_cores_run_short(tmp_path) -> None:
+    """The serving path's CPU per streamed token runs beside the worker: on a spare core it
+    costs the worker nothing; on the worker's only core every step waits for its share."""
+    sessions = [SimSession("x", 0.0, ((list(range(32)), 8),))]
+    colocated = FLEET.model_copy(update={"mode": "colocated", "prefill": 1, "decode": 0})
+    e2e = {}
+    for cores, stream_cpu_s in ((2, 0.0), (2, 0.002), (1, 0.002)):
+        fleet = colocated.model_copy(update={"device": _profile(tmp_path, host_cores=cores, stream_cpu_s=stream_cpu_s)})
+        (r,) = simulate(fleet, sessions)["records"]
+        e2e[(cores, stream_cpu_s)] = r.e2e_s
+    assert e2e[(2, 0.002)] == pytest.approx(e2e[(2, 0.0)])
+    assert e2e[(1, 0.002)] > e2e[(2, 0.0)] + 0.002  # at least a few tokens' streaming shared the core
+    assert e2e[(1, 0.002)] < e2e[(2, 0.0)] + 8 * 0.002 + 1e-9  # never more than all of it

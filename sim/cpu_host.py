@@ -1,0 +1,103 @@
+"""A host's CPU cores shared by everything that runs on them: processor sharing on the
+virtual clock.
+
+On a GPU node each worker has its device to itself and the host's cores are not what limits
+a step, so the catalog's GPU profiles have no host. On a CPU machine the workers' engine
+threads, the door, the router and the streaming of every token all run on the same few
+cores: when more of them are runnable than there are cores, each gets a fair share and
+every one of them runs slower. A `CpuHost` with `cores` runs each job (seconds of one core's
+work) at min(1, cores / jobs running) until its work is done; a job that joins or leaves
+changes the rate of all the others, so their ends are re-planned then.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+
+@dataclass
+class _Job:
+    left_s: float  # of one core's work
+    done: asyncio.Future
+
+
+class CpuHost:
+    def __init__(self, cores: float):
+        if cores <= 0:
+            raise ValueError(f"a host needs cores > 0, not {cores}")
+        self.cores = cores
+        self.cpu_s = 0.0  # work done, all jobs together
+        self._jobs: list[_Job] = []
+        self._since = 0.0  # when the jobs' left_s were last brought up to date
+        self._timer: asyncio.TimerHandle | None = None
+        self._background: _Job | None = None
+
+    @property
+    def running(self) -> int:
+        return len(self._jobs)
+
+    def rate(self, jobs: int | None = None) -> float:
+        """How fast each of `jobs` running jobs advances (1: a core of its own)."""
+        n = self.running if jobs is None else jobs
+        return min(1.0, self.cores / n) if n else 1.0
+
+    def spend(self, cpu_s: float) -> None:
+        """Add `cpu_s` to the background work nobody waits for (the serving path's streaming:
+        one thread of it, the router and the door handing chunks on); it takes its share of
+        the cores while any is left."""
+        if cpu_s <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        self._advance(loop.time())
+        if self._background is None or self._background not in self._jobs:
+            self._background = _Job(0.0, loop.create_future())
+            self._jobs.append(self._background)
+        self._background.left_s += cpu_s
+        self._plan(loop)
+
+    async def run(self, cpu_s: float) -> None:
+        """Take `cpu_s` seconds of one core's work, at this host's fair share."""
+        if cpu_s <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        self._advance(loop.time())
+        job = _Job(cpu_s, loop.create_future())
+        self._jobs.append(job)
+        self._plan(loop)
+        try:
+            await job.done
+        finally:
+            if not job.done.done() or job.done.cancelled():  # cancelled (a killed worker): leave now
+                self._advance(loop.time())
+                if job in self._jobs:
+                    self._jobs.remove(job)
+                self._plan(loop)
+
+    def _advance(self, now: float) -> None:
+        dt, self._since = now - self._since, now
+        if dt <= 0 or not self._jobs:
+            return
+        step = dt * self.rate()
+        self.cpu_s += step * len(self._jobs)
+        for job in self._jobs:
+            job.left_s -= step
+
+    def _plan(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Finish the jobs whose work is done; set the timer for the next one to finish."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        done = [j for j in self._jobs if j.left_s <= 1e-9]
+        if done:
+            self._jobs = [j for j in self._jobs if j.left_s > 1e-9]
+            for j in done:
+                if not j.done.done():
+                    j.done.set_result(None)
+        if self._jobs:
+            first = min(j.left_s for j in self._jobs)
+            self._timer = loop.call_at(self._since + first / self.rate(), self._tick, loop)
+
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        self._advance(loop.time())
+        self._plan(loop)

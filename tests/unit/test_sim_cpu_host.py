@@ -1,0 +1,82 @@
+"""A CPU host's cores shared by processor sharing on the virtual clock: exact finishing
+times as jobs come and go, background work that takes its share, no work lost or made up."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from sim.clock import run_virtual
+from sim.cpu_host import CpuHost
+
+
+def _ends(cores: float, jobs: list[tuple[float, float]], background: list[tuple[float, float]] = ()):
+    """Each (start, cpu seconds) job's end, and the host, after running them all."""
+    host = CpuHost(cores)
+
+    async def job(start: float, cpu_s: float) -> float:
+        await asyncio.sleep(start)
+        await host.run(cpu_s)
+        return asyncio.get_running_loop().time()
+
+    async def spend(start: float, cpu_s: float) -> None:
+        await asyncio.sleep(start)
+        host.spend(cpu_s)
+
+    async def main():
+        for start, cpu_s in background:
+            asyncio.get_running_loop().create_task(spend(start, cpu_s))
+        return await asyncio.gather(*(job(s, c) for s, c in jobs))
+
+    return run_virtual(main()), host
+
+
+def test_no_more_jobs_than_cores_run_at_full_speed() -> None:
+    ends, host = _ends(2, [(0.0, 1.0), (0.5, 1.0)])
+    assert ends == pytest.approx([1.0, 1.5])
+    assert host.cpu_s == pytest.approx(2.0)
+
+
+def test_more_jobs_than_cores_share_them_fairly() -> None:
+    # Three jobs on two cores: each at 2/3 speed until the first one ends.
+    ends, host = _ends(2, [(0.0, 1.0), (0.0, 1.0), (0.0, 2.0)])
+    assert ends[0] == pytest.approx(1.5) and ends[1] == pytest.approx(1.5)
+    # The third did 1.0 of its 2.0 by then, and has a core to itself after.
+    assert ends[2] == pytest.approx(2.5)
+    assert host.cpu_s == pytest.approx(4.0)
+
+
+def test_a_job_that_joins_slows_the_one_under_way() -> None:
+    # One core: a alone for 0.5 s, then a and b at half speed each.
+    ends, _ = _ends(1, [(0.0, 1.0), (0.5, 1.0)])
+    assert ends[0] == pytest.approx(1.5)  # 0.5 done alone, the other 0.5 at half speed
+    assert ends[1] == pytest.approx(2.0)  # 0.5 at half speed with a, then 0.5 alone
+
+
+def test_background_work_takes_its_share_and_then_leaves_the_cores() -> None:
+    # One core: 0.5 s of streaming work arrives with the job, two halves of the core until it is done.
+    ends, host = _ends(1, [(0.0, 1.0)], background=[(0.0, 0.5)])
+    assert ends == pytest.approx([1.5])
+    assert host.cpu_s == pytest.approx(1.5) and host.running == 0
+    # More background work added while some is left joins the same thread of it.
+    ends, host = _ends(1, [(0.0, 1.0)], background=[(0.0, 0.25), (0.1, 0.25)])
+    assert ends == pytest.approx([1.5]) and host.cpu_s == pytest.approx(1.5)
+
+
+def test_a_cancelled_job_leaves_and_gives_its_share_back() -> None:
+    host = CpuHost(1)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        doomed = loop.create_task(host.run(10.0))
+        loop.call_later(1.0, doomed.cancel)  # a worker killed mid-step
+        await host.run(1.0)  # half speed for 1 s, then alone
+        return loop.time()
+
+    assert run_virtual(main()) == pytest.approx(1.5)
+    assert host.running == 0
+
+
+def test_a_host_needs_cores() -> None:
+    with pytest.raises(ValueError, match="cores > 0"):
+        CpuHost(0)
