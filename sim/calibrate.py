@@ -7,9 +7,10 @@ of context c, memory-bound: a decode step does 0.5 flop per weight byte per sequ
 mean of interleaved rounds, in the dtype `brigade serve` would pick here ("auto": bfloat16 where
 the CPU multiplies it in hardware), so the profile describes the workers it predicts. Fitted
 by least squares, sharing one per-step and one per-sampled-sequence overhead (sim/cost.py's
-roofline with efficiencies 1):
+roofline with efficiencies 1; prefills after a cached prefix tell attention's rate apart):
 
-    prefill: t = flops / peak_flops + step + seq      decode: t = bytes / mem_bw + step + seq * b
+    prefill: t = matmul flops / peak_flops + attention flops / (peak_flops * attn_eff) + step + seq
+    decode:  t = bytes / mem_bw + step + seq * b
 
 (a CPU engine's decode step grows with the batch far beyond its flops: sampling and each
 sequence's bookkeeping and attention call cost about a millisecond apiece here).
