@@ -142,9 +142,6 @@ def calibrate(model: str, threads: int, out: Path, attempts: int = 3) -> dict:
     raise RuntimeError(f"brigade sim calibrate failed {attempts} times: {done.stderr.strip()[-300:]}")
 
 
-ENGINE_FIELDS = ("peak_flops", "mem_bw", "attn_eff", "step_overhead_s", "seq_overhead_s")
-
-
 def engine_fit_around(before: dict, after: dict, serving: dict) -> dict:
     """A profile whose engine terms are the mean of two fits of the same steps (taken just
     before and just after a measured run: the machine's speed drifts between runs), and whose

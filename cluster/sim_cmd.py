@@ -224,11 +224,11 @@ def _calibrate(args: argparse.Namespace) -> int:
                              "`brigade sim calibrate`")
         profile = load_device(args.out)
     else:
+        import torch
+
         shape, samples, dtype_bytes = measure(args.preset, threads=args.threads, dtype=args.dtype)
         # Each simulated step takes one of the host's slots: a core per torch thread of a step.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        import torch
-
         threads = args.threads or torch.get_num_threads()
         profile, report = fit(shape, samples, dtype_bytes, host_cores=max(1.0, cores / threads))
         for e in report["samples"]:

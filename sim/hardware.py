@@ -31,7 +31,7 @@ class DeviceProfile(_Frozen):
     compute_eff: float = Field(1.0, gt=0, le=1)  # reachable fraction of peak_flops
     bw_eff: float = Field(1.0, gt=0, le=1)  # reachable fraction of mem_bw
     # Attention's query-key work reaches this fraction of the matmuls' rate (a CPU engine's
-    # paged attention runs well below its GEMMs: about a third on the machine here; calibrate
+    # paged attention runs well below its GEMMs: a fifth to a third on the machine here; calibrate
     # fits it from prefills over cached prefixes). 1 for the catalog's GPUs (fused kernels).
     attn_eff: float = Field(1.0, gt=0, le=1)
     step_overhead_s: float = Field(0.0, ge=0)  # per engine step: launches, scheduling, sampling
