@@ -36,10 +36,9 @@ class CpuHost:
     def running(self) -> int:
         return len(self._jobs)
 
-    def rate(self, jobs: int | None = None) -> float:
-        """How fast each of `jobs` running jobs advances (1: a core of its own)."""
-        n = self.running if jobs is None else jobs
-        return min(1.0, self.cores / n) if n else 1.0
+    def rate(self) -> float:
+        """How fast each running job advances now (1: a core of its own)."""
+        return min(1.0, self.cores / len(self._jobs)) if self._jobs else 1.0
 
     def spend(self, cpu_s: float) -> None:
         """Add `cpu_s` to the background work nobody waits for (the serving path's streaming:
@@ -67,10 +66,9 @@ class CpuHost:
         try:
             await job.done
         finally:
-            if not job.done.done() or job.done.cancelled():  # cancelled (a killed worker): leave now
+            if job in self._jobs:  # cancelled before its work was done (a killed worker): leave now
                 self._advance(loop.time())
-                if job in self._jobs:
-                    self._jobs.remove(job)
+                self._jobs.remove(job)
                 self._plan(loop)
 
     def _advance(self, now: float) -> None:

@@ -134,16 +134,18 @@ def test_a_prefix_on_the_disk_tier_is_read_back_and_the_router_sees_its_tier() -
     assert tier["disk_loaded"] == 3 and tier["loaded"] == 0
 
 
+def _profile(tmp_path, **fields) -> str:
+    path = tmp_path / f"profile-{len(list(tmp_path.iterdir()))}.json"
+    path.write_text(load_device("cpu-2core").model_copy(update=fields).model_dump_json())
+    return str(path)
+
+
 def test_a_profiles_request_overhead_is_in_every_ttft_and_e2e(tmp_path) -> None:
     """Half on the way in (before the router sees the request), half on the way back; a fixed
     part, one per prompt token (both prompts here are 64 tokens) and a disaggregated fleet's handoff."""
     overhead = 0.030 + 64 * 1e-4 + 0.005
-    profile = tmp_path / "this-machine.json"
-    served = load_device("cpu-2core").model_copy(update={"request_overhead_s": 0.030,
-                                                         "request_overhead_per_token_s": 1e-4,
-                                                         "handoff_overhead_s": 0.005})
-    profile.write_text(served.model_dump_json())
-    fleet = FLEET.model_copy(update={"device": str(profile)})
+    profile = _profile(tmp_path, request_overhead_s=0.030, request_overhead_per_token_s=1e-4, handoff_overhead_s=0.005)
+    fleet = FLEET.model_copy(update={"device": profile})
     sessions = [SimSession("a", 0.0, ((list(range(64)), 3),)), SimSession("b", 5.0, ((list(range(300, 364)), 3),))]
     plain = {r.request_id: r for r in simulate(FLEET, sessions)["records"]}
     slow = {r.request_id: r for r in simulate(fleet, sessions)["records"]}
@@ -151,12 +153,6 @@ def test_a_profiles_request_overhead_is_in_every_ttft_and_e2e(tmp_path) -> None:
         assert slow[rid].ttft_s == pytest.approx(plain[rid].ttft_s + overhead)
         assert slow[rid].e2e_s == pytest.approx(plain[rid].e2e_s + overhead)
         assert slow[rid].output_tokens == plain[rid].output_tokens == 3
-
-
-def _profile(tmp_path, **fields) -> str:
-    path = tmp_path / f"profile-{len(list(tmp_path.iterdir()))}.json"
-    path.write_text(load_device("cpu-2core").model_copy(update=fields).model_dump_json())
-    return str(path)
 
 
 def test_a_reservation_waits_for_the_decode_step_in_flight() -> None:
