@@ -9,6 +9,7 @@ import asyncio
 import os
 import statistics
 import time
+from typing import NamedTuple
 
 import psutil
 
@@ -20,6 +21,16 @@ from sim.shapes import ModelShape
 
 # Ray titles an actor's process after its class: the workers' (their steps are the engine fit's).
 WORKER_TITLES = ("ray::PrefillActor", "ray::DecodeActor", "ray::RankActor")
+
+
+class StreamRun(NamedTuple):
+    """Concurrent answers streamed at once, and what the machine spent beside the workers."""
+
+    per_token_s: float  # median time per token after the first
+    cpu_s: float  # CPU seconds of every process but the workers'
+    wall_s: float
+    tokens: int
+    requests: int
 
 
 def _serving_cpu_s() -> float:
@@ -86,9 +97,8 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
         finally:
             await t.aclose()
 
-    async def streaming(width: int) -> tuple[float, float, float, int, int]:
-        """`width` concurrent answers: (median time per token, the CPU seconds of every
-        process but the workers', wall seconds, tokens, requests)."""
+    async def streaming(width: int) -> StreamRun:
+        """`width` concurrent answers."""
         t = target()
         try:
             await one(t, short_len, 4)
@@ -96,7 +106,7 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
             runs = await asyncio.gather(*(one(t, short_len, decode_tokens) for _ in range(width)))
             cpu, wall = _serving_cpu_s() - cpu, time.perf_counter() - wall
             per_token = statistics.median((last - first) / (n - 1) for first, last, n in runs if n > 1)
-            return per_token, cpu, wall, sum(n for _, _, n in runs), width
+            return StreamRun(per_token, cpu, wall, sum(n for _, _, n in runs), width)
         finally:
             await t.aclose()
 
@@ -112,7 +122,7 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
     runs = [asyncio.run(streaming(w)) for w in widths]
     beyond = {}
     for width in (1, streams):
-        per_token = statistics.mean(r[0] for w, r in zip(widths, runs) if w == width)
+        per_token = statistics.mean(r.per_token_s for w, r in zip(widths, runs) if w == width)
         step = engine_only.step_s(StepWork.of([(1, short_len + decode_tokens // 2, True)] * width))
         beyond[width] = per_token - step
         seen[f"time_per_token_{width}_streams_s"], seen[f"decode_step_{width}_s"] = per_token, step
@@ -120,8 +130,8 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
     per_step = max(0.0, beyond[1] - per_seq)
     prefix = "decode_" if disaggregated else ""  # a disaggregated fleet's decode worker has its own
     update[f"{prefix}token_overhead_s"], update[f"{prefix}worker_step_overhead_s"] = per_seq, per_step
-    cpu, wall = sum(r[1] for r in runs), sum(r[2] for r in runs)
-    tokens, requests_n = sum(r[3] for r in runs), sum(r[4] for r in runs)
+    cpu, wall = sum(r.cpu_s for r in runs), sum(r.wall_s for r in runs)
+    tokens, requests_n = sum(r.tokens for r in runs), sum(r.requests for r in runs)
     seen |= {"serving_cpu_s": cpu, "streaming_wall_s": wall, "streamed_tokens": tokens, "idle_cpu_rate": idle_rate}
     if not disaggregated:
         profile = profile.model_copy(update=update)
