@@ -128,7 +128,7 @@ class TierManager:
                 self.cache.insert(parent, h, b)
                 parent = h
                 self._count_hit(h)
-                if tier == "disk":  # it is hot again: keep it in L2 too
+                if tier == "disk" or h in self.writing:  # hot again: back in L2, as if its write were done
                     self._put_host(h, kv)
         finally:
             self._loading = False
@@ -209,7 +209,7 @@ class TierManager:
             self.host.get(h)
             return
         stored, evicted = self.host.put(h, kv)
-        if stored:
+        if stored and h not in self.writing:  # a block on its way to L3 is announced as host already
             self.events.record("stored", "host", (h,))
         for old, old_kv in evicted:
             self._write_back(old, old_kv, in_host=True)
@@ -219,6 +219,8 @@ class TierManager:
     def _write_back(self, h: bytes, kv: torch.Tensor, in_host: bool) -> None:
         """A block leaving L2 (or passing it by): to L3 if it qualifies, else it is gone."""
         d = self.disk
+        if h in self.writing:  # L2 took it back during its write and now lets go again: the write goes on
+            return
         if d is None or d.full or h in d or self._hits(h) < self.cfg.hit_threshold:
             if in_host:
                 self.events.record("removed", "host", (h,))
@@ -234,7 +236,8 @@ class TierManager:
         _, fut = self.writing.pop(h)
         if fut.exception() is not None:
             log.warning("hicache: L3 write failed: %r", fut.exception())
-        self.events.record("removed", "host", (h,))
+        if h not in self.host:
+            self.events.record("removed", "host", (h,))
 
     def _find(self, h: bytes, deadline: float | None) -> tuple[torch.Tensor | None, str]:
         kv = self.host.get(h)

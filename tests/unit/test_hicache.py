@@ -1,5 +1,7 @@
 """HiCache: a long prefix served from L1, L2, L3 or recomputed gives the same greedy tokens;
 warm restart; selective writes; cache events follow every tier move."""
+import threading
+
 import pytest
 
 from engine.block_hash import chain_hashes
@@ -87,14 +89,9 @@ def test_best_effort_prefetch_with_zero_timeout_still_answers_right(tmp_path):
     engine.close()
 
 
-@pytest.mark.parametrize("host_blocks", [4, 0])  # 0: L2 holds nothing, blocks pass through its write queue
-def test_events_record_each_tier_move_in_order(tmp_path, host_blocks):
-    engine = tiered_engine(tmp_path, host_blocks=host_blocks, record_events=True, write_policy="write_back")
-    engine.generate([PROMPT], GREEDY)
-    engine.generate([FILLER], GREEDY)
-    engine.generate([tokens(40, seed=3)], GREEDY)
-    engine.hicache.drain()
-    events = engine.take_cache_events()
+def _assert_events_true_to_tiers(engine, events) -> None:
+    """Replayed in order, the events never store a block twice in a tier, never remove one a
+    tier lacks, never lose one in between (disk is ample), and end where the tiers are."""
     present: dict[bytes, set[str]] = {}
     for e in events:
         for h in e.hashes:
@@ -105,12 +102,23 @@ def test_events_record_each_tier_move_in_order(tmp_path, host_blocks):
             else:
                 assert e.tier in tiers, "removed from a tier it was not in"
                 tiers.discard(e.tier)
-                # Disk is ample: a block leaving a tier was stored lower first, never absent in between.
                 assert tiers, f"block {h.hex()[:8]} vanished on removal from {e.tier}"
     hc = engine.hicache
     assert {h for h, t in present.items() if "device" in t} == set(engine.cache.by_hash) - {engine.cache.root.hash}
     assert {h for h, t in present.items() if "host" in t} == set(hc.host.blocks) | set(hc.writing)
     assert {h for h, t in present.items() if "disk" in t} == set(hc.disk.index)
+
+
+@pytest.mark.parametrize("host_blocks", [4, 0])  # 0: L2 holds nothing, blocks pass through its write queue
+def test_events_record_each_tier_move_in_order(tmp_path, host_blocks):
+    engine = tiered_engine(tmp_path, host_blocks=host_blocks, record_events=True, write_policy="write_back")
+    engine.generate([PROMPT], GREEDY)
+    engine.generate([FILLER], GREEDY)
+    engine.generate([tokens(40, seed=3)], GREEDY)
+    engine.hicache.drain()
+    events = engine.take_cache_events()
+    _assert_events_true_to_tiers(engine, events)
+    hc = engine.hicache
     assert hc.disk.index and (hc.host.blocks or not host_blocks)  # every tier was exercised
     # write_back: a device eviction is announced as stored in host, then removed from device.
     first = chain_hashes(PROMPT, BLOCK, engine.model_id)[5]
@@ -131,3 +139,32 @@ def test_cluster_config_gives_each_prefill_worker_its_own_disk_dir(tmp_path):
     assert decode.cache.hicache.enabled is False and decode.num_threads == 3  # decode never matches prefixes
     assert worker_config(ClusterConfig(), Role.PREFILL, "prefill-0", None).cache.hicache.enabled is False
     assert worker_config(cfg, Role.PREFILL, "prefill-0", None, publishes_events=True).cache.record_events
+
+
+def test_tiers_end_the_same_however_slow_the_disk(tmp_path):
+    """A hit on a block still on its way to L3 keeps it in L2 just as a hit read back from
+    disk does, so what each tier holds does not depend on how fast the disk writes."""
+    def run(directory, hold_writes: bool):
+        engine = tiered_engine(directory, host_blocks=4, record_events=True, write_policy="write_back")
+        gate = threading.Event()
+        if hold_writes:  # every L3 write waits until the prompt was served again
+            disk, write = engine.hicache.disk, engine.hicache.disk.write
+            disk.write = lambda h, kv: gate.wait() and write(h, kv)
+        engine.generate([PROMPT], GREEDY)
+        engine.generate([FILLER], GREEDY)
+        if hold_writes:
+            assert engine.hicache.writing and not engine.hicache.disk.index
+        out = engine.generate([PROMPT], GREEDY)[0]
+        gate.set()
+        engine.hicache.drain()
+        _assert_events_true_to_tiers(engine, engine.take_cache_events())
+        hc = engine.hicache
+        tiers = (set(engine.cache.by_hash), list(hc.host.blocks), set(hc.disk.index), hc.writing == {})
+        engine.close()
+        return out, tiers
+
+    (out_slow, slow), (out_fast, fast) = run(tmp_path / "slow", True), run(tmp_path / "fast", False)
+    assert out_slow.token_ids == out_fast.token_ids == _reference()
+    assert out_slow.usage.cached_tokens == out_fast.usage.cached_tokens > 0
+    assert slow == fast
+    assert slow[1] and slow[2] and slow[3]  # both lower tiers hold blocks, no write left pending
