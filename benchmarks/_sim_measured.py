@@ -39,7 +39,7 @@ from _sim_validate import (
     Load,
     bench,
     calibrate,
-    calibrate_serving,
+    calibrate_here,
     engine_fit_around,
     errors,
     fleet_config,
@@ -94,15 +94,7 @@ def run(out_dir: Path, quick: bool, parts: set[str]) -> tuple[dict, dict]:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     profile_path = out_dir / "this-machine.json"
-    print("calibrating this machine (brigade sim calibrate, 1 torch thread)", flush=True)
-    profile = calibrate(MODEL, 1, profile_path)
-    for fleet in (ONE_MIXED, ONE_P_ONE_D):
-        print(f"  the serving path's costs (brigade sim calibrate --serving-only on {fleet.name})", flush=True)
-        try:
-            with serve(fleet, MODEL, NUM_BLOCKS, out_dir / "logs" / "calibrate") as url:
-                profile = calibrate_serving(MODEL, url, profile_path, disaggregated=fleet.mode == "disaggregated")
-        except (RuntimeError, subprocess.CalledProcessError) as exc:  # the simulation then leaves it out
-            print(f"  serving path not measured on {fleet.name}: {exc}", flush=True)
+    profile = calibrate_here(MODEL, NUM_BLOCKS, profile_path, out_dir / "logs" / "calibrate")
     raw: dict = {"model": MODEL, "num_blocks": NUM_BLOCKS, "profile": profile}
     validation = ((ONE_P_ONE_D, QUICK_LOAD),) if quick else VALIDATION
     jobs: dict[Fleet, list[tuple[str, Load, str]]] = {}

@@ -168,6 +168,23 @@ def calibrate_serving(model: str, url: str, profile: Path, disaggregated: bool =
     return json.loads(profile.read_text())
 
 
+def calibrate_here(model: str, num_blocks: int, profile_path: Path, log_dir: Path) -> dict:
+    """This machine's profile as sim_bench fits it: the engine with 1 torch thread, then the
+    serving path's costs on a 1-worker colocated serve (--url: request overhead, streaming CPU)
+    and on a 1P+1D serve (--disagg-url: the decode worker's own, the handoff). A serve that
+    fails leaves its terms out, said so."""
+    print("calibrating this machine (brigade sim calibrate, 1 torch thread)", flush=True)
+    profile = calibrate(model, 1, profile_path)
+    for fleet in (Fleet("1mixed", "colocated", workers_colocated=1), Fleet("1p1d", "disaggregated", 1, 1)):
+        print(f"  the serving path's costs (brigade sim calibrate --serving-only on {fleet.name})", flush=True)
+        try:
+            with serve(fleet, model, num_blocks, log_dir) as url:
+                profile = calibrate_serving(model, url, profile_path, disaggregated=fleet.mode == "disaggregated")
+        except (RuntimeError, subprocess.CalledProcessError) as exc:  # the simulation then leaves it out
+            print(f"  serving path not measured on {fleet.name}: {exc}", flush=True)
+    return profile
+
+
 def fleet_config(fleet: Fleet, model: str, profile: Path, num_blocks: int, policy: str = "kv_aware"):
     """The simulated twin of `serve(fleet, ...)`: the same engine preset, KV pool, block size
     and scheduler limits as the real workers, the KV link the real pair uses (gloo over loopback)."""

@@ -57,3 +57,20 @@ def test_a_simulated_sweep_gives_one_run_per_rate() -> None:
     assert [r["request_rate"] for r in runs] == [1.0, 4.0]
     assert all(r["completed"] == 4 and r["failed"] == 0 for r in runs)
     assert all(r["cache_hit_ratio"] > 0 for r in runs)  # the second question of each group finds its system prompt
+
+
+def test_micro_scenes_simulate_each_interaction(tmp_path: Path) -> None:
+    """sim_micro's simulated side on a CPU host's profile: streams decoding beside a hit, and
+    another hit's decode starting while it prefills, each make the hit slower, as on a real fleet."""
+    from sim_micro import _simulate
+
+    from sim.hardware import load_device
+
+    host = load_device("cpu-2core").model_copy(update={"name": "host", "host_cores": 2.0, "stream_cpu_s": 0.005})
+    profile = tmp_path / "host.json"
+    profile.write_text(host.model_dump_json())
+    scene = _simulate(profile, [0, 3], 2)
+    assert set(scene) == {"hit_beside_0", "hit_beside_3", "tpot_beside_3", "hit_after_hit"}
+    assert 0 < scene["tpot_beside_3"] < scene["hit_beside_3"]
+    assert scene["hit_beside_3"] > scene["hit_beside_0"] > 0
+    assert scene["hit_after_hit"] > scene["hit_beside_0"]
