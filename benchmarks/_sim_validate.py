@@ -135,8 +135,9 @@ def calibrate(model: str, threads: int, out: Path, attempts: int = 3) -> dict:
     cmd = [sys.executable, "-m", "cluster.cli", "sim", "calibrate", "--preset", model, "--threads", str(threads),
            "--out", str(out)]
     for attempt in range(1, attempts + 1):
-        done = subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
         if done.returncode == 0:
+            out.with_suffix(".fit.out").write_text(done.stdout)  # each step's time against the fit
             return json.loads(out.read_text())
         print(f"  calibrate attempt {attempt}: {done.stderr.strip().splitlines()[-1:]}", flush=True)
     raise RuntimeError(f"brigade sim calibrate failed {attempts} times: {done.stderr.strip()[-300:]}")
@@ -157,12 +158,16 @@ def engine_fit_around(before: dict, after: dict, serving: dict) -> dict:
     return out
 
 
-def calibrate_serving(model: str, url: str, profile: Path, disaggregated: bool = False) -> dict:
+def calibrate_serving(model: str, url: str, profile: Path, disaggregated: bool = False,
+                      log: Path | None = None) -> dict:
     """`brigade sim calibrate --serving-only` against a running `brigade serve` of `model`
-    (colocated: --url; disaggregated: --disagg-url): the profile, with the serving path's costs."""
+    (colocated: --url; disaggregated: --disagg-url): the profile, with the serving path's costs.
+    `log` keeps what it printed (what it measured, before the fit)."""
     cmd = [sys.executable, "-m", "cluster.cli", "sim", "calibrate", "--preset", model,
            "--disagg-url" if disaggregated else "--url", url, "--serving-only", "--out", str(profile)]
     done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+    if log is not None:
+        log.write_text(done.stdout + done.stderr)
     if done.returncode != 0:
         raise RuntimeError(f"brigade sim calibrate --serving-only failed: {done.stderr.strip()[-300:]}")
     return json.loads(profile.read_text())
@@ -179,7 +184,8 @@ def calibrate_here(model: str, num_blocks: int, profile_path: Path, log_dir: Pat
         print(f"  the serving path's costs (brigade sim calibrate --serving-only on {fleet.name})", flush=True)
         try:
             with serve(fleet, model, num_blocks, log_dir) as url:
-                profile = calibrate_serving(model, url, profile_path, disaggregated=fleet.mode == "disaggregated")
+                profile = calibrate_serving(model, url, profile_path, disaggregated=fleet.mode == "disaggregated",
+                                            log=log_dir / f"{fleet.name}.calibrate.out")
         except (RuntimeError, subprocess.CalledProcessError) as exc:  # the simulation then leaves it out
             print(f"  serving path not measured on {fleet.name}: {exc}", flush=True)
     return profile

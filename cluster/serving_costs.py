@@ -1,8 +1,8 @@
 """`brigade sim calibrate --url/--disagg-url`: the serving path's costs beyond the engine's
 steps, measured on a running `brigade serve` with loadtest's HTTP target (so it lives at the
 edge: sim/ imports only engine and router), into a device profile's request_overhead_s,
-request_overhead_per_token_s, token_overhead_s, stream_cpu_s (with host_cores) and
-handoff_overhead_s."""
+request_overhead_per_token_s, token_overhead_s, stream_cpu_s (with host_cores),
+handoff_overhead_s and corun_slowdown."""
 from __future__ import annotations
 
 import asyncio
@@ -15,6 +15,7 @@ import psutil
 
 from loadtest.targets import TargetConfig, make_target
 from loadtest.types import Message, Prompt
+from sim.corun import HitScene, fit_corun_slowdown
 from sim.cost import Roofline, StepWork
 from sim.hardware import DeviceProfile
 from sim.shapes import ModelShape
@@ -48,7 +49,7 @@ def _serving_cpu_s() -> float:
 def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggregated: bool = False,
                     requests: int = 8, short_len: int = 4, long_len: int = 516, decode_tokens: int = 48,
                     streams: int = 4, rounds: int = 2, idle_s: float = 1.0,
-                    block_size: int = 16) -> tuple[DeviceProfile, dict]:
+                    block_size: int = 16, corun_width: int = 2) -> tuple[DeviceProfile, dict]:
     """The serving path's costs on a running `brigade serve` at `url` (of the preset the profile
     was fitted on), through loadtest's HTTP target as `brigade bench` sends requests; distinct
     prompts (no prefix hit) but where said. A colocated serve gives
@@ -72,7 +73,10 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
     handoff_overhead_s: what its short TTFT holds beyond that (the decode worker's reservation
     and the prefill worker's answer, actor calls the simulated network does not time), and
     decode_worker_step_overhead_s and decode_token_overhead_s: the same two of its decode
-    worker, from the same streams.
+    worker, from the same streams; and on a CPU host corun_slowdown: the median TTFT of
+    prefix hits (a `long_len`-token prompt, 2 tokens each) sent one at a time alone and
+    beside `corun_width` long answers, in `rounds` interleaved rounds, whose growth the
+    simulator is fitted to (sim/corun.py).
     The profile with them set, and what was seen."""
     ids = iter(range(10**9))
 
@@ -94,6 +98,27 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
             for _ in range(2):  # warm the path up (and cache the prompt, for a hit)
                 await one(t, prompt_len, 1, same)
             return statistics.median([(await one(t, prompt_len, 1, same))[0] for _ in range(requests)])
+        finally:
+            await t.aclose()
+
+    async def hits_beside(width: int, scene: HitScene) -> list[float]:
+        """TTFTs of the scene's prefix hits, sent one at a time while `width` answers stream."""
+        t = target()
+        same = next(ids)
+        try:
+            for _ in range(2):  # warm the path up and cache the prompt
+                await one(t, scene.hit_len, 2, same)
+            streams = [asyncio.create_task(one(t, scene.short_len, scene.stream_len)) for _ in range(width)]
+            await asyncio.sleep(scene.settle_s)  # past their prefills: decoding
+            ttfts = []
+            for _ in range(scene.hits):
+                sent = time.perf_counter()
+                ttfts.append((await one(t, scene.hit_len, 2, same))[0])
+                await asyncio.sleep(max(0.0, scene.spacing_s - (time.perf_counter() - sent)))
+            for task in streams:  # closes their connections: the router aborts them
+                task.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
+            return ttfts
         finally:
             await t.aclose()
 
@@ -146,7 +171,18 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
     if disaggregated:
         base = profile.request_overhead_s + profile.request_overhead_per_token_s * short_len
         update["handoff_overhead_s"] = max(0.0, over[short_len] - base)
-        return profile.model_copy(update=update), seen
+        profile = profile.model_copy(update=update)
+        if profile.host_cores:
+            scene = HitScene(shape.name, corun_width, hit_len=long_len, short_len=short_len, block_size=block_size)
+            ttfts: dict[int, list[float]] = {0: [], corun_width: []}
+            for _ in range(rounds):  # interleaved: the machine's speed drifts
+                for width in ttfts:
+                    ttfts[width] += asyncio.run(hits_beside(width, scene))
+            alone, beside = (statistics.median(v) for v in ttfts.values())
+            slowdown, fit_seen = fit_corun_slowdown(profile, scene, alone, beside)
+            profile = profile.model_copy(update={"corun_slowdown": slowdown})
+            seen |= {"hit_alone_s": alone, f"hit_beside_{corun_width}_s": beside} | fit_seen
+        return profile, seen
     slope = max(0.0, (over[long_len] - over[short_len]) / (long_len - short_len))
     update["request_overhead_per_token_s"] = slope
     update["request_overhead_s"] = max(0.0, over[short_len] - slope * short_len)

@@ -111,7 +111,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     cal.add_argument("--url", help="a running `brigade serve` of the same preset: also measure the serving path's "
                                     "costs beyond the engine steps (request_overhead_s, token_overhead_s)")
     cal.add_argument("--disagg-url", help="a running disaggregated `brigade serve` of the same preset: measure what "
-                                          "its requests cost beyond --url's (handoff_overhead_s)")
+                                          "its requests cost beyond --url's (handoff_overhead_s) and, on a CPU "
+                                          "host, how much a prompt step slows beside another worker's "
+                                          "(corun_slowdown, from prefix hits alone and beside 2 streams)")
     cal.add_argument("--serving-only", action="store_true",
                      help="keep the engine fit already in --out, measure only the serving path (--url, --disagg-url)")
     cal.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
@@ -251,7 +253,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         profile, seen = measure_serving(args.disagg_url, profile, shape, disaggregated=True)
         print(f"disaggregated: {profile.handoff_overhead_s * 1000:.1f} ms more per request; the decode worker's "
               f"step {profile.decode_worker_step_overhead_s * 1000:.2f} ms + "
-              f"{profile.decode_token_overhead_s * 1000:.2f} ms per streamed token beyond the engine's ({seen})")
+              f"{profile.decode_token_overhead_s * 1000:.2f} ms per streamed token beyond the engine's; a prompt "
+              f"step beside another worker's takes {profile.corun_slowdown:.2f}x its fair share ({seen})")
     Path(args.out).write_text(profile.model_dump_json(indent=1))
     print(f"wrote {args.out}")
     return 0

@@ -8,6 +8,14 @@ cores: when more of them are runnable than there are cores, each gets a fair sha
 every one of them runs slower. A `CpuHost` with `cores` runs each job (seconds of one core's
 work) at min(1, cores / jobs running) until its work is done; a job that joins or leaves
 changes the rate of all the others, so their ends are re-planned then.
+
+A fair share is not all a step loses there: a step computing prompt tokens while another
+worker's step runs waits on the run queue far longer than the serving path's CPU time
+explains (measured with /proc/thread-self/schedstat on the 2-core machine here, one prefill
+worker beside one decoding worker: a hit's prefill step of 50 ms of CPU waited 15-27 ms, the
+decode steps beside it 2-4 ms; the door's, the router's and Ray's many short-lived threads
+preempt it). `corun_slowdown` is that extra factor on such a step (1: none);
+`brigade sim calibrate --disagg-url` fits it (cluster/serving_costs.py).
 """
 from __future__ import annotations
 
@@ -15,17 +23,21 @@ import asyncio
 from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself: `in` and remove() go by identity
 class _Job:
     left_s: float  # of one core's work
     done: asyncio.Future
+    step: bool = False  # a worker's engine step (not a request's way in or out)
+    prompt: bool = False  # a step that computes prompt tokens (corun_slowdown applies)
 
 
 class CpuHost:
-    def __init__(self, cores: float):
+    def __init__(self, cores: float, corun_slowdown: float = 1.0):
         if cores <= 0:
             raise ValueError(f"a host needs cores > 0, not {cores}")
-        self.cores = cores
+        if corun_slowdown < 1:
+            raise ValueError(f"corun_slowdown is a slowdown (>= 1), not {corun_slowdown}")
+        self.cores, self.corun_slowdown = cores, corun_slowdown
         self.cpu_s = 0.0  # work done, all jobs together
         self._jobs: list[_Job] = []
         self._since = 0.0  # when the jobs' left_s were last brought up to date
@@ -39,6 +51,11 @@ class CpuHost:
     def rate(self) -> float:
         """How fast each running job advances now (1: a core of its own)."""
         return min(1.0, self.cores / len(self._jobs)) if self._jobs else 1.0
+
+    def _rate(self, job: _Job) -> float:
+        """`job`'s own rate: the fair share, slowed further for a prompt step beside another step."""
+        steps = sum(j.step for j in self._jobs)
+        return self.rate() / self.corun_slowdown if job.prompt and steps > 1 else self.rate()
 
     def spend(self, cpu_s: float) -> None:
         """Add `cpu_s` to the background work nobody waits for (the serving path's streaming:
@@ -54,13 +71,15 @@ class CpuHost:
         self._background.left_s += cpu_s
         self._plan(loop)
 
-    async def run(self, cpu_s: float) -> None:
-        """Take `cpu_s` seconds of one core's work, at this host's fair share."""
+    async def run(self, cpu_s: float, step: bool = False, prompt: bool = False) -> None:
+        """Take `cpu_s` seconds of one core's work, at this host's fair share (`step`: a
+        worker's engine step; `prompt`: one that computes prompt tokens, which corun_slowdown
+        slows beside another worker's step)."""
         if cpu_s <= 0:
             return
         loop = asyncio.get_running_loop()
         self._advance(loop.time())
-        job = _Job(cpu_s, loop.create_future())
+        job = _Job(cpu_s, loop.create_future(), step, step and prompt)
         self._jobs.append(job)
         self._plan(loop)
         try:
@@ -75,9 +94,9 @@ class CpuHost:
         dt, self._since = now - self._since, now
         if dt <= 0 or not self._jobs:
             return
-        step = dt * self.rate()
-        self.cpu_s += step * len(self._jobs)
         for job in self._jobs:
+            step = dt * self._rate(job)
+            self.cpu_s += step
             job.left_s -= step
 
     def _plan(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -92,8 +111,8 @@ class CpuHost:
                 if not j.done.done():
                     j.done.set_result(None)
         if self._jobs:
-            first = min(j.left_s for j in self._jobs)
-            self._timer = loop.call_at(self._since + first / self.rate(), self._tick, loop)
+            first = min(j.left_s / self._rate(j) for j in self._jobs)
+            self._timer = loop.call_at(self._since + first, self._tick, loop)
 
     def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
         self._timer = None

@@ -91,7 +91,11 @@ class SimWorker:
                 repeats = await self._steady(steady)
             else:
                 repeats = 1
-                await (self.cpu.run(seconds) if self.cpu is not None else asyncio.sleep(seconds))
+                if self.cpu is not None:
+                    prompt = any(s.seq.num_computed < s.seq.num_prompt_tokens for s in batch)
+                    await self.cpu.run(seconds, step=True, prompt=prompt)
+                else:
+                    await asyncio.sleep(seconds)
                 self.busy_s += loop.time() - now
             self.steps += repeats
             for seq in self.engine.finish(batch, repeats):

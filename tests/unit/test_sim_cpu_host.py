@@ -80,3 +80,31 @@ def test_a_cancelled_job_leaves_and_gives_its_share_back() -> None:
 def test_a_host_needs_cores() -> None:
     with pytest.raises(ValueError, match="cores > 0"):
         CpuHost(0)
+
+
+def test_corun_slowdown_slows_a_prompt_step_only_beside_another_step() -> None:
+    host = CpuHost(2, corun_slowdown=2.0)
+
+    async def job(start: float, cpu_s: float, prompt: bool) -> float:
+        await asyncio.sleep(start)
+        await host.run(cpu_s, step=True, prompt=prompt)
+        return asyncio.get_running_loop().time()
+
+    async def main():
+        alone = await job(0.0, 1.0, True)  # no other step: full speed
+        host.spend(0.5)  # the serving path's background work is not a step
+        beside_background = await job(0.0, 1.0, True)
+        # nor is a request's way in (work that is not a worker's step)
+        beside_request, _ = await asyncio.gather(job(0.0, 1.0, True), host.run(0.5))
+        # A decode step (not a prompt) beside a prompt step keeps its fair share; the prompt
+        # step runs at half of its own while the decode runs (1 s), then alone: 0.5 + 0.5 left.
+        pair = await asyncio.gather(job(0.0, 1.0, True), job(0.0, 1.0, False))
+        return alone, beside_background, beside_request, pair
+
+    alone, beside_background, beside_request, (prompt, decode) = run_virtual(main())
+    assert alone == pytest.approx(1.0)
+    assert beside_background == pytest.approx(2.0)  # 1 s, no corun slowdown
+    assert beside_request == pytest.approx(3.0)
+    assert decode == pytest.approx(4.0) and prompt == pytest.approx(4.5)
+    with pytest.raises(ValueError, match="slowdown"):
+        CpuHost(2, corun_slowdown=0.5)
