@@ -254,7 +254,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         print(f"disaggregated: {profile.handoff_overhead_s * 1000:.1f} ms more per request; the decode worker's "
               f"step {profile.decode_worker_step_overhead_s * 1000:.2f} ms + "
               f"{profile.decode_token_overhead_s * 1000:.2f} ms per streamed token beyond the engine's; a prompt "
-              f"step beside another worker's takes {profile.corun_slowdown:.2f}x its fair share ({seen})")
+              f"step beside another worker's gets at most 1/{profile.corun_slowdown:.2f} of a core ({seen})")
     Path(args.out).write_text(profile.model_dump_json(indent=1))
     print(f"wrote {args.out}")
     return 0

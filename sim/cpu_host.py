@@ -14,8 +14,13 @@ worker's step runs waits on the run queue far longer than the serving path's CPU
 explains (measured with /proc/thread-self/schedstat on the 2-core machine here, one prefill
 worker beside one decoding worker: a hit's prefill step of 50 ms of CPU waited 15-27 ms, the
 decode steps beside it 2-4 ms; the door's, the router's and Ray's many short-lived threads
-preempt it). `corun_slowdown` is that extra factor on such a step (1: none);
-`brigade sim calibrate --disagg-url` fits it (cluster/serving_costs.py).
+preempt it; a hit sent as another one starts decoding, with nothing streaming yet, lost
+almost nothing). So while the serving path's streaming work is pending and another worker's
+step runs, a prompt step gets at most 1 / `corun_slowdown` of a core (1: no limit), and less
+when its fair share is less: a full machine's scheduler is fair over a step's length, and the
+preempting threads' CPU is already a job here (the streaming's), so the ceiling is not
+applied on top of the share. `brigade sim calibrate --disagg-url` fits it
+(cluster/serving_costs.py).
 """
 from __future__ import annotations
 
@@ -53,9 +58,13 @@ class CpuHost:
         return min(1.0, self.cores / len(self._jobs)) if self._jobs else 1.0
 
     def _rate(self, job: _Job) -> float:
-        """`job`'s own rate: the fair share, slowed further for a prompt step beside another step."""
-        steps = sum(j.step for j in self._jobs)
-        return self.rate() / self.corun_slowdown if job.prompt and steps > 1 else self.rate()
+        """`job`'s own rate: the fair share, at most 1 / corun_slowdown for a prompt step beside
+        another step while streaming work is pending."""
+        share = self.rate()
+        streaming = self._background is not None and self._background in self._jobs
+        if job.prompt and streaming and sum(j.step for j in self._jobs) > 1:
+            return min(share, 1.0 / self.corun_slowdown)
+        return share
 
     def spend(self, cpu_s: float) -> None:
         """Add `cpu_s` to the background work nobody waits for (the serving path's streaming:
@@ -74,7 +83,7 @@ class CpuHost:
     async def run(self, cpu_s: float, step: bool = False, prompt: bool = False) -> None:
         """Take `cpu_s` seconds of one core's work, at this host's fair share (`step`: a
         worker's engine step; `prompt`: one that computes prompt tokens, which corun_slowdown
-        slows beside another worker's step)."""
+        slows beside another worker's step while streaming work is pending)."""
         if cpu_s <= 0:
             return
         loop = asyncio.get_running_loop()

@@ -82,29 +82,37 @@ def test_a_host_needs_cores() -> None:
         CpuHost(0)
 
 
-def test_corun_slowdown_slows_a_prompt_step_only_beside_another_step() -> None:
+def test_corun_slowdown_slows_a_prompt_step_beside_another_step_while_tokens_stream() -> None:
     host = CpuHost(2, corun_slowdown=2.0)
 
-    async def job(start: float, cpu_s: float, prompt: bool) -> float:
-        await asyncio.sleep(start)
+    async def job(cpu_s: float, prompt: bool) -> float:
         await host.run(cpu_s, step=True, prompt=prompt)
         return asyncio.get_running_loop().time()
 
     async def main():
-        alone = await job(0.0, 1.0, True)  # no other step: full speed
-        host.spend(0.5)  # the serving path's background work is not a step
-        beside_background = await job(0.0, 1.0, True)
+        alone = await job(1.0, True)  # no other step: full speed
+        host.spend(0.5)  # streaming, but no other step
+        beside_streaming = await job(1.0, True)
         # nor is a request's way in (work that is not a worker's step)
-        beside_request, _ = await asyncio.gather(job(0.0, 1.0, True), host.run(0.5))
-        # A decode step (not a prompt) beside a prompt step keeps its fair share; the prompt
-        # step runs at half of its own while the decode runs (1 s), then alone: 0.5 + 0.5 left.
-        pair = await asyncio.gather(job(0.0, 1.0, True), job(0.0, 1.0, False))
-        return alone, beside_background, beside_request, pair
+        beside_request, _ = await asyncio.gather(job(1.0, True), host.run(0.5))
+        # another worker's step with nothing streaming (a hit as another starts decoding)
+        quiet_pair = await asyncio.gather(job(1.0, True), job(1.0, False))
+        # Another step while tokens stream: 3 jobs, a fair share of 2/3 each, but the prompt
+        # step gets 1/2 until the decode and the streaming end (1.5 s), then the rest alone.
+        host.spend(1.0)
+        pair = await asyncio.gather(job(1.0, True), job(1.0, False))
+        # On a full host (4 jobs, 2 cores) the fair share (0.5) is already at the ceiling
+        # (1 / 2): the prompt step is not slowed twice, all four end together 2 s later.
+        host.spend(1.0)
+        full = await asyncio.gather(job(1.0, True), job(1.0, False), host.run(1.0))
+        return alone, beside_streaming, beside_request, quiet_pair, pair, full[:2]
 
-    alone, beside_background, beside_request, (prompt, decode) = run_virtual(main())
+    alone, beside_streaming, beside_request, quiet_pair, (prompt, decode), full = run_virtual(main())
     assert alone == pytest.approx(1.0)
-    assert beside_background == pytest.approx(2.0)  # 1 s, no corun slowdown
+    assert beside_streaming == pytest.approx(2.0)  # 1 s, no corun slowdown
     assert beside_request == pytest.approx(3.0)
-    assert decode == pytest.approx(4.0) and prompt == pytest.approx(4.5)
+    assert quiet_pair == pytest.approx([4.0, 4.0])
+    assert decode == pytest.approx(5.5) and prompt == pytest.approx(5.75)
+    assert full == pytest.approx([7.75, 7.75])
     with pytest.raises(ValueError, match="slowdown"):
         CpuHost(2, corun_slowdown=0.5)
