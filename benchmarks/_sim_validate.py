@@ -170,6 +170,9 @@ def calibrate_serving(model: str, url: str, profile: Path, disaggregated: bool =
         log.write_text(done.stdout + done.stderr)
     if done.returncode != 0:
         raise RuntimeError(f"brigade sim calibrate --serving-only failed: {done.stderr.strip()[-300:]}")
+    for line in done.stdout.splitlines():  # a fit it does not trust, said where the run is watched
+        if line.startswith("warning:"):
+            print(f"  {line}", flush=True)
     return json.loads(profile.read_text())
 
 

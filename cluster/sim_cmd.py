@@ -255,6 +255,10 @@ def _calibrate(args: argparse.Namespace) -> int:
               f"step {profile.decode_worker_step_overhead_s * 1000:.2f} ms + "
               f"{profile.decode_token_overhead_s * 1000:.2f} ms per streamed token beyond the engine's; a prompt "
               f"step beside another worker's gets at most 1/{profile.corun_slowdown:.2f} of a core ({seen})")
+        if seen.get("at_bound"):
+            print(f"warning: corun_slowdown stopped at its bound {profile.corun_slowdown:g}: the hits beside streams "
+                  "grew more than the model explains (was the machine busy, or its speed drifting?); measure again "
+                  "on a quiet machine before trusting this profile's TTFT beside streams")
     Path(args.out).write_text(profile.model_dump_json(indent=1))
     print(f"wrote {args.out}")
     return 0

@@ -57,7 +57,10 @@ def fit_corun_slowdown(profile: DeviceProfile, scene: HitScene, measured_alone_s
                        measured_beside_s: float, most: float = 4.0) -> tuple[float, dict]:
     """The corun_slowdown (1 to `most`) whose simulated scene grows the hits' TTFT beside the
     streams by as much as measured (the difference, so a bias of the hit's own cost cancels),
-    by bisection (the growth only rises with it); and what was seen."""
+    by bisection (the growth only rises with it); and what was seen. `at_bound` says the
+    measured growth is more than `most` can explain: the scene was not the one modelled (a
+    machine whose speed changed between the rounds, or one too loaded to serve it), so the
+    fitted factor should not be trusted."""
     alone = hit_ttft_s(profile, scene, width=0)
     want = measured_beside_s - measured_alone_s
 
@@ -69,9 +72,10 @@ def fit_corun_slowdown(profile: DeviceProfile, scene: HitScene, measured_alone_s
         hi = lo
     elif growth(hi) <= want:
         lo = hi
+    at_bound = lo == hi == most
     while hi - lo > 0.02:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if growth(mid) < want else (lo, mid)
     fitted = round((lo + hi) / 2, 3)
     return fitted, {"measured_growth_s": want, "simulated_growth_s": growth(fitted),
-                    "simulated_alone_s": alone, "growth_at_1_s": growth(1.0)}
+                    "simulated_alone_s": alone, "growth_at_1_s": growth(1.0), "at_bound": at_bound}

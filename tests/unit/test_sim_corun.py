@@ -18,6 +18,7 @@ def test_the_fit_finds_the_slowdown_that_made_the_scene() -> None:
     slowdown, seen = fit_corun_slowdown(HOST, SCENE, alone, beside)
     assert slowdown == pytest.approx(1.8, abs=0.05)
     assert seen["simulated_growth_s"] == pytest.approx(beside - alone, rel=0.05)
+    assert not seen["at_bound"]
 
 
 def test_growth_the_fair_share_explains_needs_no_slowdown() -> None:
@@ -25,3 +26,10 @@ def test_growth_the_fair_share_explains_needs_no_slowdown() -> None:
     fair = hit_ttft_s(HOST, SCENE) - alone  # what sharing the cores alone adds
     slowdown, seen = fit_corun_slowdown(HOST, SCENE, alone, alone + 0.5 * fair)
     assert slowdown == 1.0 and seen["growth_at_1_s"] > seen["measured_growth_s"] > 0
+    assert not seen["at_bound"]
+
+
+def test_growth_beyond_the_model_stops_at_the_bound_and_says_so() -> None:
+    alone = hit_ttft_s(HOST, SCENE, width=0)
+    slowdown, seen = fit_corun_slowdown(HOST, SCENE, alone, alone + 10.0, most=3.0)
+    assert slowdown == 3.0 and seen["at_bound"] and seen["simulated_growth_s"] < 10.0
