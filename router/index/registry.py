@@ -28,6 +28,17 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 redis.call('SADD', KEYS[2], ARGV[1])
 return 1
 """
+# KEYS: the worker's epoch counter. The next epoch, and never below Redis's clock in ms: a Redis
+# that restarted empty (no persistence) must not hand out an epoch it gave before, or a router
+# could take a restarted worker for the incarnation it knew. Epochs stay below 2^53 / 8, so a
+# block entry (epoch * 8 + tiers) is still exact as a Lua number.
+_NEXT_EPOCH = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local e = redis.call('INCR', KEYS[1])
+if e < now then redis.call('SET', KEYS[1], now); e = now end
+return e
+"""
 # KEYS: lease, id set. ARGV: worker id, epoch ("" = any). Never deletes a newer incarnation's lease.
 _DEREGISTER = """
 local e = redis.call('HGET', KEYS[1], 'epoch')
@@ -88,6 +99,7 @@ class WorkerRegistry:
         self._ids = f"{prefix}:workers"
         self._heartbeat = self.redis.register_script(_HEARTBEAT)
         self._deregister = self.redis.register_script(_DEREGISTER)
+        self._next_epoch = self.redis.register_script(_NEXT_EPOCH)
 
     def _key(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{worker_id}"
@@ -96,7 +108,7 @@ class WorkerRegistry:
         """(Re)starts the lease; returns the new epoch, which the worker passes to heartbeat()."""
         if not worker_id:
             raise ValueError("worker_id must be non-empty")
-        epoch = int(self.redis.incr(f"{self.prefix}:epoch:{worker_id}"))  # never expires: epochs only grow
+        epoch = int(self._next_epoch(keys=[f"{self.prefix}:epoch:{worker_id}"]))  # never expires: epochs only grow
         fields = {"role": role, "epoch": epoch, "info": json.dumps(info or {}), "started_at": time.time()}
         with self.redis.pipeline(transaction=True) as p:
             p.delete(self._key(worker_id)).hset(self._key(worker_id), mapping=fields)

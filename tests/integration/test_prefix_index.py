@@ -116,7 +116,7 @@ def test_new_epoch_and_expired_lease_drop_entries(server: EmbeddedRedis, cfg: In
         a2.start()
         try:
             live = index.live_epochs()
-            assert live["a"] == old["a"] + 1
+            assert live["a"] > old["a"]
             assert index.query(hashes, live)["a"] == PrefixHit()
         finally:
             a2.stop()
@@ -241,7 +241,7 @@ def test_a_plain_prefill_worker_publishes_its_engine_cache_and_ends_its_lease(se
     index = PrefixIndex(connect(server.url), cfg.key_prefix, model)
     prompt = list(range(3, 3 + 70))  # 4 full blocks of 16
     try:
-        assert index.live_epochs() == {"pw": 1}
+        assert list(index.live_epochs()) == ["pw"]
         done = worker.prefill(GenerateRequest("r", prompt, SamplingParams(max_tokens=2))).result(timeout=60)
         assert done.usage.prompt_tokens == 70
         hashes = chain_hashes(prompt, 16, model)

@@ -102,6 +102,16 @@ def test_epoch_changes_on_reregister_and_fences_old_incarnation(server: Embedded
     assert reg.register("d0", "decode") > second  # epochs survive deregistration
 
 
+def test_epochs_keep_growing_after_redis_loses_its_data(server: EmbeddedRedis, prefix: str) -> None:
+    reg = WorkerRegistry(server.url, prefix=prefix, ttl_s=5.0)
+    before = [reg.register("d0", "decode") for _ in range(3)]
+    client = redis.Redis.from_url(server.url)
+    client.delete(*client.keys(f"{prefix}:*"))  # as a Redis without persistence comes back: empty
+    after = reg.register("d0", "decode")
+    assert before == sorted(set(before)) and after > before[-1]
+    assert [w.epoch for w in reg.live_workers()] == [after] and reg.heartbeat("d0", after)
+
+
 def test_live_workers_filters_by_role(server: EmbeddedRedis, prefix: str) -> None:
     reg = WorkerRegistry(server.url, prefix=prefix)
     for wid, role in [("p1", "prefill"), ("d1", "decode"), ("p0", "prefill")]:
