@@ -65,7 +65,7 @@ SERVE_FLAGS = {
     ("model",): "--model", ("prefill",): "--prefill", ("decode",): "--decode", ("mode",): "--mode",
     ("ray_address",): "--ray-address", ("redis_url",): "--redis-url", ("host",): "--host",
     ("http_port",): "--http-port", ("grpc_port",): "--grpc-port", ("num_cpus",): "--num-cpus",
-    ("engine", "dtype"): "--dtype", ("engine", "quantization"): "--quantization",
+    ("drain_s",): "--drain-s", ("engine", "dtype"): "--dtype", ("engine", "quantization"): "--quantization",
     ("engine", "device"): "--device", ("engine", "speculative"): "--speculative",
     ("engine", "cache", "block_size"): "--block-size", ("engine", "cache", "num_blocks"): "--num-blocks",
     ("engine", "scheduler", "max_num_batched_tokens"): "--max-num-batched-tokens",
@@ -245,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the router picks workers (default kv_aware: lowest estimated TTFT from the "
                         "prefix index; the others ignore the index)")
     c.add_argument("--num-cpus", type=float, metavar="C", help="CPU cores the workers share (default: all)")
+    c.add_argument("--drain-s", type=float, metavar="S",
+                   help="on SIGTERM/SIGINT, how long requests in flight get to finish before the workers "
+                        "stop anyway (default 30; the gRPC door gets 10 s more)")
     w = srv.add_argument_group("workers")
     w.add_argument("--max-num-seqs", type=int, metavar="N", help="requests a worker runs at once (default 128)")
     w.add_argument("--max-model-len", type=int, metavar="N",
@@ -294,7 +297,7 @@ def cluster_config(args: argparse.Namespace):
     overrides = {
         "model": args.model, "prefill": args.prefill, "decode": args.decode, "mode": args.mode,
         "ray_address": args.ray_address, "redis_url": args.redis_url, "host": args.host, "role": args.role,
-        "http_port": args.http_port, "grpc_port": args.grpc_port, "num_cpus": args.num_cpus,
+        "http_port": args.http_port, "grpc_port": args.grpc_port, "num_cpus": args.num_cpus, "drain_s": args.drain_s,
         "engine": {"dtype": args.dtype, "quantization": args.quantization, "device": args.device,
                    "max_model_len": args.max_model_len, "speculative": args.speculative,
                    "cache": {"block_size": args.block_size, "num_blocks": args.num_blocks,

@@ -64,6 +64,10 @@ class ClusterConfig(_Frozen):
     http_port: int = Field(8000, ge=0, le=65535)
     grpc_port: int | None = Field(50051, ge=0, le=65535)  # None: no gRPC front door
     num_cpus: float | None = Field(None, gt=0)  # CPU cores the workers share; default: all
+    # How long a stop (SIGTERM/SIGINT) waits for requests in flight, on both doors at once (the
+    # gRPC door gets 10 s more), before it stops the workers anyway. On Kubernetes keep it and
+    # the preStop sleep inside terminationGracePeriodSeconds.
+    drain_s: float = Field(30.0, gt=0)
     # Every worker's engine (each gets its own KV pool of this size); worker_config() finishes
     # it per worker. Its `model` is the top-level `model`, kept in one place.
     engine: EngineConfig = EngineConfig()

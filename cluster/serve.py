@@ -6,7 +6,8 @@ config.json and tokenizer, Redis (an embedded redis-server on 127.0.0.1 unless -
 Ray and the actors (each worker registers its own lease in Redis and publishes its cache
 events there). Then it serves until SIGINT or SIGTERM, and drains: /health answers 503 and
 gRPC health NOT_SERVING, new requests are refused, requests in flight (on both doors at once)
-get DRAIN_S to finish, and everything started here stops in reverse order. Exit code 0.
+get `drain_s` (--drain-s, 30 s) to finish, and everything started here stops in reverse
+order. Exit code 0.
 While serving it watches what it started (cluster/watchdog.py): when the router actor or a
 local Ray's GCS or raylet dies it says so, stops everything and exits EXIT_FAILED (3).
 """
@@ -32,7 +33,6 @@ from router.grpc.server import GrpcServer
 from router.http.server import ApiServer, TLSSetupError
 from router.metrics import FrontDoorMetrics
 
-DRAIN_S = 30.0  # how long a stop waits for requests in flight
 WATCH_INTERVAL_S = 1.0  # how often the parts serve started are checked (cluster/watchdog.py)
 
 
@@ -109,10 +109,10 @@ def run(args, cfg: ClusterConfig) -> int:
                 leftovers = descendants()
                 return EXIT_FAILED
         stopping = True
-        grpc_drained = grpc_server.begin_drain(DRAIN_S) if grpc_server is not None else None
-        _drain(server)
-        if grpc_drained is not None and not _finished(grpc_drained, DRAIN_S + 10):
-            print(f"{grpc_server.in_flight} gRPC request(s) still running after {DRAIN_S:g} s: stopping anyway",
+        grpc_drained = grpc_server.begin_drain(cfg.drain_s) if grpc_server is not None else None
+        _drain(server, cfg.drain_s)
+        if grpc_drained is not None and not _finished(grpc_drained, cfg.drain_s + 10):
+            print(f"{grpc_server.in_flight} gRPC request(s) still running after {cfg.drain_s:g} s: stopping anyway",
                   file=sys.stderr, flush=True)
         return 0
     finally:
@@ -213,14 +213,14 @@ class _Signals:
             self.install()
 
 
-def _drain(server: ApiServer) -> None:
-    print(f"stopping: draining {server.in_flight} request(s) in flight (up to {DRAIN_S:g} s) ...",
+def _drain(server: ApiServer, drain_s: float) -> None:
+    print(f"stopping: draining {server.in_flight} request(s) in flight (up to {drain_s:g} s) ...",
           file=sys.stderr, flush=True)
     server.draining.set()  # /health and new requests answer 503 from here on
     server.shutdown()
     server.server_close()  # new connections are refused; handler threads carry on
-    if not server.wait_idle(DRAIN_S):
-        print(f"{server.in_flight} request(s) still running after {DRAIN_S:g} s: stopping anyway",
+    if not server.wait_idle(drain_s):
+        print(f"{server.in_flight} request(s) still running after {drain_s:g} s: stopping anyway",
               file=sys.stderr, flush=True)
 
 

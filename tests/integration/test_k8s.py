@@ -39,7 +39,6 @@ from cluster.cli import main as brigade
 from cluster.config import ClusterConfig, load_config, redis_url_with_password
 from cluster.launch import local_resources
 from cluster.redis_server import EmbeddedRedis
-from cluster.serve import DRAIN_S
 from kv_transfer import TransferConfig
 from router.config import AuthConfig, FrontDoorConfig
 from router.grpc.server import GrpcServer
@@ -287,8 +286,10 @@ def test_probes_call_the_real_doors(tmp_path: Path) -> None:
     assert cfg.frontdoor.auth.public_health  # else the kubelet's unauthenticated probes would fail
 
 
-def test_drain_fits_the_grace_period() -> None:
-    pod = head(rendered("gpu-prod"))
+def test_drain_fits_the_grace_period(tmp_path: Path) -> None:
+    docs = rendered("gpu-prod")
+    pod = head(docs)
+    drain_s = config_of(docs, tmp_path)[1].drain_s  # what the pod's brigade serve will wait
     grace = pod["terminationGracePeriodSeconds"]
 
     def pre_stop(name: str) -> float:
@@ -296,9 +297,9 @@ def test_drain_fits_the_grace_period() -> None:
         assert command[0] == "sleep"
         return float(command[1])
 
-    # cluster/serve.py: HTTP requests in flight get DRAIN_S, the gRPC door DRAIN_S + 10, then the
+    # cluster/serve.py: HTTP requests in flight get drain_s, the gRPC door drain_s + 10, then the
     # actors stop (up to 10 s a worker; 3 workers' worth of slack).
-    drained = pre_stop("brigade") + DRAIN_S + 10
+    drained = pre_stop("brigade") + drain_s + 10
     assert pre_stop("ray-head") >= drained  # Ray outlives the drain
     assert grace >= drained + 30 and grace > pre_stop("ray-head")
 
