@@ -141,14 +141,15 @@ def two_threads():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # 17 windows x 2 models of 512-token prefills; 415 s measured on a busy machine
+@pytest.mark.timeout(900)  # 10 windows x 2 models of 512-token prefills; 17 took 415 s on a busy machine
 def test_perplexity_on_gpl3_equals_transformers(smollm2, two_threads) -> None:
-    """512-token windows of /usr/share/common-licenses/GPL-3, each scored from its own start."""
+    """The first ten 512-token windows of /usr/share/common-licenses/GPL-3 (5,110 scored
+    tokens; the whole text has 17), each scored from its own start."""
     from transformers import AutoModelForCausalLM
 
     tok = Tokenizer.from_dir(smollm2)
     ids = tok.encode(Path("/usr/share/common-licenses/GPL-3").read_text())
-    windows = [ids[i:i + 512] for i in range(0, len(ids) - 511, 512)]
+    windows = [ids[i:i + 512] for i in range(0, len(ids) - 511, 512)][:10]
     engine = engine_for(smollm2, num_blocks=64, enable_prefix_cache=False)
     hf = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
     ours_nll, hf_nll = [], []
@@ -160,7 +161,7 @@ def test_perplexity_on_gpl3_equals_transformers(smollm2, two_threads) -> None:
         hf_nll.append(torch.nn.functional.cross_entropy(theirs[:-1], torch.tensor(w[1:]), reduction="sum"))
     n = len(windows) * 511
     ours, theirs = math.exp(sum(ours_nll).item() / n), math.exp(sum(hf_nll).item() / n)
-    assert len(windows) >= 10 and 1.5 < theirs < 30  # a real model on real text
+    assert len(windows) == 10 and 1.5 < theirs < 30  # a real model on real text
     assert abs(ours - theirs) / theirs < 1e-3
 
 
