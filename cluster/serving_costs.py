@@ -34,21 +34,37 @@ class StreamRun(NamedTuple):
     requests: int
 
 
-def _serving_cpu_s() -> float:
-    """CPU seconds of every process on this machine but the workers': the door, the router,
-    Ray's and Redis's own, the kernel's, this client."""
-    total = 0.0
+class CpuSample(NamedTuple):
+    """The machine's CPU counters at one moment."""
+
+    busy_s: float  # every process's CPU time together, exited ones' too (/proc/stat)
+    workers_s: dict[int, float]  # each worker process's own, by pid
+
+
+def _cpu_sample() -> CpuSample:
+    # The machine's busy time, not a sum over the processes alive now: a process that exits
+    # between two samples (a Ray helper, a gRPC call's) would take its CPU out of the sum, and
+    # an idle second measured that way once came out at -0.71 cores, which tripled stream_cpu_s.
+    t = psutil.cpu_times()
+    busy = t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+    workers = {}
     for proc in psutil.process_iter(["cmdline", "cpu_times"]):
         cmd, cpu = proc.info["cmdline"] or [], proc.info["cpu_times"]
-        if cpu is None or (cmd and cmd[0].startswith(WORKER_TITLES)):
-            continue
-        total += cpu.user + cpu.system
-    return total
+        if cpu is not None and cmd and cmd[0].startswith(WORKER_TITLES):
+            workers[proc.pid] = cpu.user + cpu.system
+    return CpuSample(busy, workers)
+
+
+def _serving_cpu_s(since: CpuSample, until: CpuSample) -> float:
+    """CPU seconds the machine spent between two samples outside the workers: the door, the
+    router, Ray's and Redis's own, the kernel's, this client."""
+    workers = sum(cpu - since.workers_s.get(pid, 0.0) for pid, cpu in until.workers_s.items())
+    return (until.busy_s - since.busy_s) - workers
 
 
 def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggregated: bool = False,
                     requests: int = 8, short_len: int = 4, long_len: int = 516, decode_tokens: int = 48,
-                    streams: int = 4, rounds: int = 2, idle_s: float = 1.0,
+                    streams: int = 4, rounds: int = 2, idle_s: float = 3.0,
                     block_size: int = 16, corun_width: int = 2) -> tuple[DeviceProfile, dict]:
     """The serving path's costs on a running `brigade serve` at `url` (of the preset the profile
     was fitted on), through loadtest's HTTP target as `brigade bench` sends requests; distinct
@@ -127,9 +143,9 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
         t = target()
         try:
             await one(t, short_len, 4)
-            cpu, wall = _serving_cpu_s(), time.perf_counter()
+            before, wall = _cpu_sample(), time.perf_counter()
             runs = await asyncio.gather(*(one(t, short_len, decode_tokens) for _ in range(width)))
-            cpu, wall = _serving_cpu_s() - cpu, time.perf_counter() - wall
+            cpu, wall = _serving_cpu_s(before, _cpu_sample()), time.perf_counter() - wall
             per_token = statistics.median((last - first) / (n - 1) for first, last, n in runs if n > 1)
             return StreamRun(per_token, cpu, wall, sum(n for _, _, n in runs), width)
         finally:
@@ -138,9 +154,9 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
     engine_only = Roofline(shape, profile.model_copy(update={"token_overhead_s": 0.0, "worker_step_overhead_s": 0.0}))
     seen: dict = {}
     update: dict = {}
-    idle = _serving_cpu_s()
+    idle = _cpu_sample()
     time.sleep(idle_s)
-    idle_rate = (_serving_cpu_s() - idle) / idle_s  # Ray's and Redis's own polling, the OS
+    idle_rate = _serving_cpu_s(idle, _cpu_sample()) / idle_s  # Ray's and Redis's own polling, the OS
     # One stream and `streams` at once, in interleaved rounds (the machine's speed drifts):
     # what a served worker's decode step costs beyond the engine's, per step and per token.
     widths = (1, 1, 1, streams) * rounds

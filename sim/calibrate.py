@@ -2,18 +2,24 @@
 the real engine.
 
 Measured: prefill steps (one prompt of n tokens, compute-bound) and decode steps (b sequences
-of context c, memory-bound: a decode step does 0.5 flop per weight byte per sequence in float32,
-1 in bfloat16, so b stays below the machine's flops/byte ridge) of an engine preset, each the
-mean of interleaved rounds, in the dtype `brigade serve` would pick here ("auto": bfloat16 where
-the CPU multiplies it in hardware), so the profile describes the workers it predicts. Fitted
-by least squares, sharing one per-step and one per-sampled-sequence overhead (sim/cost.py's
-roofline with efficiencies 1; prefills after a cached prefix tell attention's rate apart):
+of context c) of an engine preset, each the mean of interleaved rounds, in the dtype `brigade
+serve` would pick here ("auto": bfloat16 where the CPU multiplies it in hardware), so the
+profile describes the workers it predicts. Fitted by least squares, sharing one per-step and
+one per-sampled-sequence overhead (sim/cost.py's roofline with efficiencies 1; prefills after a
+cached prefix tell attention's rate apart), each step on the side of the roofline the fit
+itself puts it:
 
-    prefill: t = matmul flops / peak_flops + attention flops / (peak_flops * attn_eff) + step + seq
-    decode:  t = bytes / mem_bw + step + seq * b
+    compute-bound: t = matmul flops / peak_flops + attention flops / (peak_flops * attn_eff) + step + seq * b
+    memory-bound:  t = bytes / mem_bw + step + seq * b
 
-(a CPU engine's decode step grows with the batch far beyond its flops: sampling and each
-sequence's bookkeeping and attention call cost about a millisecond apiece here).
+A decode step does 0.5 flop per weight byte per sequence in float32 (1 in bfloat16), so where
+the machine's flops/byte ridge is low (float32 on a slow AVX2 core: 25 GFLOP/s against 47 GB/s)
+its batches of 2 and more are compute-bound; fitting them as bytes would fold their flops into
+the per-sequence overhead, and the roofline, which adds the compute time, would count them
+twice (a batch of 8 predicted 29% slow). So the fit starts with every decode step memory-bound,
+then refits with each step on the side the fitted roofline puts it until that no longer
+changes. (A CPU engine's decode step grows with the batch far beyond its flops: sampling and
+each sequence's bookkeeping and attention call cost about a millisecond apiece here.)
 
 The profile is what `--device FILE.json` takes; the fit's own residuals are in its report.
 The serving path's costs beyond the engine's steps (request_overhead_s and the rest) are
@@ -48,40 +54,55 @@ def fit(shape: ModelShape, samples: list[Sample], dtype_bytes: int, name: str = 
     # Attention apart from the matmuls only where enough prefills (of several lengths and
     # cached contexts) tell them apart; otherwise it runs at their rate.
     apart = sum(s.kind == "prefill" for s in samples) >= 4
-    # Columns: s/flop of the matmuls and of attention (prefill), s/byte (decode), s per step,
-    # s per sampled sequence.
-    a = np.array([[r.flops(s.work) - apart * r.attn_flops(s.work), apart * r.attn_flops(s.work), 0.0, 1.0,
-                   s.work.sampled] if s.kind == "prefill" else [0.0, 0.0, r.bytes(s.work), 1.0, s.work.sampled]
-                  for s in samples])
     y = np.array([s.seconds for s in samples])
     weights = 1 / y  # relative error, so the short decode steps count as much as long prefills
-    keep = [0, 1, 2, 3, 4] if apart else [0, 2, 3, 4]
-    while True:
-        x = np.linalg.lstsq(a[:, keep] * weights[:, None], y * weights, rcond=None)[0]
-        coef = dict(zip(keep, x))
-        # A negative per-step or per-sequence time is noise in an intercept the samples barely
-        # pin (decode steps of a small batch read nearly the same bytes); clamping it afterwards
-        # would leave the rest fitted against it, and every step predicted off by the lost
-        # part. Fit again without it instead.
-        negative = [k for k in (4, 3) if k in coef and coef[k] < 0]
-        if not negative and coef[2] <= 0 < coef[0] and 3 in keep:
-            # Decode steps read nearly the same bytes at every batch, so their bytes term and the
-            # per-step term trade off: a large prefill intercept can leave the bytes none. The
-            # per-step time goes then (a decode step is then its bytes and its sequences).
-            negative = [3]
-        if not negative:
+
+    def solve(compute_bound: list[bool]) -> DeviceProfile:
+        # Columns: s/flop of the matmuls and of attention, s/byte, s per step, s per sampled sequence.
+        a = np.array([[r.flops(s.work) - apart * r.attn_flops(s.work), apart * r.attn_flops(s.work), 0.0, 1.0,
+                       s.work.sampled] if bound else [0.0, 0.0, r.bytes(s.work), 1.0, s.work.sampled]
+                      for s, bound in zip(samples, compute_bound)])
+        keep = [k for k in (0, 1, 2, 3, 4) if (k != 1 or apart) and (k != 2 or not all(compute_bound))]
+        while True:
+            x = np.linalg.lstsq(a[:, keep] * weights[:, None], y * weights, rcond=None)[0]
+            coef = dict(zip(keep, x))
+            # A negative per-step or per-sequence time is noise in an intercept the samples barely
+            # pin (decode steps of a small batch read nearly the same bytes); clamping it afterwards
+            # would leave the rest fitted against it, and every step predicted off by the lost
+            # part. Fit again without it instead.
+            negative = [k for k in (4, 3) if k in coef and coef[k] < 0]
+            if not negative and coef.get(2, 1.0) <= 0 < coef[0] and 3 in keep:
+                # Decode steps read nearly the same bytes at every batch, so their bytes term and the
+                # per-step term trade off: a large prefill intercept can leave the bytes none. The
+                # per-step time goes then (a decode step is then its bytes and its sequences).
+                negative = [3]
+            if not negative:
+                break
+            keep.remove(negative[0])
+        inv_flops, inv_attn = coef[0], coef.get(1, coef[0])
+        if inv_flops <= 0:
+            raise ValueError("the measured steps do not fit a roofline (noisy machine?); run calibrate again")
+        if 2 in coef:
+            inv_bw = coef[2]
+        else:  # every step compute-bound: the bytes are read at least as fast as the steps compute
+            inv_bw = min(r.flops(s.work) * inv_flops / r.bytes(s.work) for s in samples)
+        if inv_bw <= 0:
+            raise ValueError("the measured steps do not fit a roofline (noisy machine?); run calibrate again")
+        # Attention at the matmuls' rate or below (faster would be noise: samples without much of it).
+        attn_eff = min(1.0, inv_flops / inv_attn) if inv_attn > 0 else 1.0
+        return DeviceProfile(name=name, peak_flops=1 / inv_flops, mem_bw=1 / inv_bw, mem_bytes=mem_bytes,
+                             attn_eff=attn_eff,
+                             step_overhead_s=float(coef.get(3, 0.0)), seq_overhead_s=float(coef.get(4, 0.0)),
+                             dtype_bytes=dtype_bytes, intra_link="gloo-loopback", inter_link="gloo-loopback",
+                             host_cores=host_cores)
+
+    bound = [s.kind == "prefill" for s in samples]
+    for _ in range(8):  # a side that flips moves the fit a little; it settles in two or three
+        profile = solve(bound)
+        sides = [Roofline(shape, profile).compute_bound(s.work) for s in samples]
+        if sides == bound:
             break
-        keep.remove(negative[0])
-    inv_flops, inv_attn, inv_bw = coef[0], coef.get(1, coef[0]), coef[2]
-    if inv_flops <= 0 or inv_bw <= 0:
-        raise ValueError("the measured steps do not fit a roofline (noisy machine?); run calibrate again")
-    # Attention at the matmuls' rate or below (faster would be noise: samples without much of it).
-    attn_eff = min(1.0, inv_flops / inv_attn) if inv_attn > 0 else 1.0
-    profile = DeviceProfile(name=name, peak_flops=1 / inv_flops, mem_bw=1 / inv_bw, mem_bytes=mem_bytes,
-                            attn_eff=attn_eff,
-                            step_overhead_s=float(coef.get(3, 0.0)), seq_overhead_s=float(coef.get(4, 0.0)),
-                            dtype_bytes=dtype_bytes, intra_link="gloo-loopback", inter_link="gloo-loopback",
-                            host_cores=host_cores)
+        bound = sides
     fitted = Roofline(shape, profile)
     errors = [{"kind": s.kind, "tokens": s.work.tokens, "context": s.work.kv_tokens - s.work.tokens,
                "measured_s": s.seconds,

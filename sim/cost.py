@@ -12,7 +12,8 @@ A step computes `tokens` new tokens over sequences with given contexts. Per TP r
              served worker's per streamed chunk; both calibrated)
 
 A prefill chunk of a few thousand tokens is compute-bound; a decode step of one token per
-sequence reads every weight and the whole KV for little arithmetic, so it is memory-bound.
+sequence reads every weight and the whole KV for little arithmetic, so on a GPU it is
+memory-bound (a slow CPU in float32 has its ridge below a decode batch of 2).
 """
 from __future__ import annotations
 

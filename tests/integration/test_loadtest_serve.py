@@ -57,3 +57,34 @@ def test_multi_turn_and_text_prompts_against_brigade_serve(base_url: str, tmp_pa
     text = bench(base_url, tmp_path / "text", "--workload", "random", "--num-prompts", "3", "--input-len", "5",
                  "--output-len", "2", "--prompt-format", "text")
     assert text["runs"][0]["completed"] == 3 and text["runs"][0]["total_output_tokens"] == 6
+
+
+def test_sim_calibrate_measures_the_serving_path_of_brigade_serve(base_url: str) -> None:
+    """`brigade sim calibrate --url` then `--disagg-url`'s measurement (cluster/serving_costs.py)
+    against the real serve, kept short: every term it sets comes back measured, each within
+    what it was measured from, and the disaggregated pass leaves the colocated terms alone."""
+    from cluster.serving_costs import measure_serving
+    from engine.presets import PRESETS
+    from sim.hardware import DeviceProfile
+    from sim.shapes import ModelShape
+
+    shape = ModelShape.from_config("tiny", PRESETS["tiny"].config)
+    engine_fit = DeviceProfile(name="this-machine", peak_flops=20e9, mem_bw=20e9, mem_bytes=8e9,
+                               step_overhead_s=0.001, dtype_bytes=4, host_cores=2.0)
+    short = {"requests": 3, "long_len": 68, "decode_tokens": 12, "streams": 2, "rounds": 1}
+    colocated, seen = measure_serving(base_url, engine_fit, shape, **short)
+    assert 0 < colocated.request_overhead_s <= seen["median_ttft_4_s"]
+    assert colocated.request_overhead_per_token_s >= 0 and colocated.stream_cpu_s >= 0
+    assert colocated.token_overhead_s >= 0 and colocated.worker_step_overhead_s >= 0
+    assert seen["time_per_token_1_streams_s"] > 0 and seen["time_per_token_2_streams_s"] > 0
+    assert seen["idle_cpu_rate"] >= -0.05  # the machine's busy time less the workers': never below 0 but a tick
+    assert colocated.host_cores == 2.0 and colocated.decode_token_overhead_s is None
+
+    disagg, seen = measure_serving(base_url, colocated, shape, disaggregated=True, **short)
+    assert disagg.decode_token_overhead_s is not None and disagg.decode_token_overhead_s >= 0
+    assert disagg.decode_worker_step_overhead_s is not None and disagg.handoff_overhead_s >= 0
+    assert 1.0 <= disagg.corun_slowdown <= 4.0
+    assert seen["hit_alone_s"] > 0 and seen["hit_beside_2_s"] > 0
+    keep = ("request_overhead_s", "request_overhead_per_token_s", "token_overhead_s", "worker_step_overhead_s",
+            "stream_cpu_s")
+    assert {k: getattr(disagg, k) for k in keep} == {k: getattr(colocated, k) for k in keep}

@@ -70,3 +70,39 @@ def test_attention_below_the_matmuls_rate_is_fitted_from_prefills_over_cached_pr
     hit = StepWork.of([(32, 1024, True)])
     at_matmul_rate = Roofline(shape, profile.model_copy(update={"attn_eff": 1.0}))
     assert Roofline(shape, profile).step_s(hit) > at_matmul_rate.step_s(hit)
+
+
+def test_decode_batches_past_the_ridge_are_fitted_compute_bound_not_as_per_sequence_overhead() -> None:
+    """float32 on a slow AVX2 core: 25 GFLOP/s against 40-47 GB/s, so a decode batch of 2 or more
+    computes longer than it reads. Fitted as bytes, its flops would land in the per-sequence
+    overhead, and the roofline (which adds them again) would predict a batch of 8 far too slow."""
+    shape = load_shape("bench")
+    truth = DeviceProfile(name="t", peak_flops=25e9, mem_bw=40e9, mem_bytes=8e9, attn_eff=0.6,
+                          step_overhead_s=0.035, seq_overhead_s=0.003, dtype_bytes=4)
+    r = Roofline(shape, truth)
+    works = [("prefill", StepWork.of([(n, 0, True)])) for n in (64, 256, 512, 1024)]
+    works += [("prefill", StepWork.of([(n, ctx, True)])) for n, ctx in ((32, 512), (128, 512), (32, 1024))]
+    works += [("decode", StepWork.of([(1, 275, True)] * b)) for b in (1, 2, 4, 8)]
+    assert not r.compute_bound(works[7][1]) and r.compute_bound(works[8][1])  # the ridge between b = 1 and 2
+    profile, report = fit(shape, [Sample(k, w, r.step_s(w)) for k, w in works], dtype_bytes=4)
+    assert profile.peak_flops == pytest.approx(25e9, rel=1e-6)
+    assert profile.seq_overhead_s == pytest.approx(0.003, rel=1e-6)
+    assert profile.step_overhead_s == pytest.approx(0.035, rel=1e-6)
+    assert profile.mem_bw == pytest.approx(40e9, rel=1e-6)
+    assert report["max_abs_error"] < 1e-6
+
+
+def test_a_machine_whose_every_step_is_compute_bound_gets_a_bandwidth_that_keeps_them_so() -> None:
+    """No memory-bound step to measure the bandwidth by: the fit takes the slowest one the steps
+    allow (each still compute-bound), and predicts them all."""
+    shape = load_shape("bench")
+    truth = DeviceProfile(name="t", peak_flops=10e9, mem_bw=400e9, mem_bytes=8e9, step_overhead_s=0.02,
+                          seq_overhead_s=0.002, dtype_bytes=4)
+    r = Roofline(shape, truth)
+    works = [("prefill", StepWork.of([(n, 0, True)])) for n in (64, 256, 512)]
+    works += [("decode", StepWork.of([(1, 275, True)] * b)) for b in (1, 2, 4, 8)]
+    profile, report = fit(shape, [Sample(k, w, r.step_s(w)) for k, w in works], dtype_bytes=4)
+    fitted = Roofline(shape, profile)
+    assert all(fitted.compute_bound(w) for _, w in works)
+    assert profile.peak_flops == pytest.approx(10e9, rel=1e-6)
+    assert report["max_abs_error"] < 1e-6

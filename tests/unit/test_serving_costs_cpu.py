@@ -1,0 +1,24 @@
+"""The serving path's CPU as `brigade sim calibrate --url` counts it: the machine's, exited
+processes' included, less the workers'."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from cluster.serving_costs import CpuSample, _cpu_sample, _serving_cpu_s
+
+BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\n"
+
+
+def test_a_process_that_exits_between_the_samples_still_counts() -> None:
+    """Summed over the processes alive at each sample, a helper that came and went took its CPU
+    with it (an idle second once measured -0.71 cores that way)."""
+    before = _cpu_sample()
+    subprocess.run([sys.executable, "-c", BURN], check=True)
+    assert _serving_cpu_s(before, _cpu_sample()) >= 0.35
+
+
+def test_the_workers_own_cpu_is_left_out() -> None:
+    since = CpuSample(busy_s=100.0, workers_s={11: 5.0, 12: 1.0})
+    until = CpuSample(busy_s=103.0, workers_s={11: 6.5, 12: 1.5, 13: 0.25})  # 13 started in between
+    assert _serving_cpu_s(since, until) == 3.0 - 1.5 - 0.5 - 0.25
