@@ -2,7 +2,7 @@
 steps, measured on a running `brigade serve` with loadtest's HTTP target (so it lives at the
 edge: sim/ imports only engine and router), into a device profile's request_overhead_s,
 request_overhead_per_token_s, token_overhead_s, stream_cpu_s (with host_cores),
-handoff_overhead_s and corun_slowdown."""
+handoff_overhead_s, kv_receive_cpu_per_token_s and corun_slowdown."""
 from __future__ import annotations
 
 import asyncio
@@ -22,6 +22,7 @@ from sim.shapes import ModelShape
 
 # Ray titles an actor's process after its class: the workers' (their steps are the engine fit's).
 WORKER_TITLES = ("ray::PrefillActor", "ray::DecodeActor", "ray::RankActor")
+DECODE_TITLE = "ray::DecodeActor"
 
 
 class StreamRun(NamedTuple):
@@ -55,6 +56,16 @@ def _cpu_sample() -> CpuSample:
     return CpuSample(busy, workers)
 
 
+def _cpu_of(title: str) -> float:
+    """CPU seconds of the processes Ray titled `title` (an actor class's)."""
+    total = 0.0
+    for proc in psutil.process_iter(["cmdline", "cpu_times"]):
+        cmd, cpu = proc.info["cmdline"] or [], proc.info["cpu_times"]
+        if cpu is not None and cmd and cmd[0].startswith(title):
+            total += cpu.user + cpu.system
+    return total
+
+
 def _serving_cpu_s(since: CpuSample, until: CpuSample) -> float:
     """CPU seconds the machine spent between two samples outside the workers: the door, the
     router, Ray's and Redis's own, the kernel's, this client."""
@@ -65,7 +76,8 @@ def _serving_cpu_s(since: CpuSample, until: CpuSample) -> float:
 def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggregated: bool = False,
                     requests: int = 8, short_len: int = 4, long_len: int = 516, decode_tokens: int = 48,
                     streams: int = 4, rounds: int = 2, idle_s: float = 3.0,
-                    block_size: int = 16, corun_width: int = 2) -> tuple[DeviceProfile, dict]:
+                    block_size: int = 16, corun_width: int = 2,
+                    receive_requests: int = 3) -> tuple[DeviceProfile, dict]:
     """The serving path's costs on a running `brigade serve` at `url` (of the preset the profile
     was fitted on), through loadtest's HTTP target as `brigade bench` sends requests; distinct
     prompts (no prefix hit) but where said. A colocated serve gives
@@ -89,7 +101,10 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
     handoff_overhead_s: what its short TTFT holds beyond that (the decode worker's reservation
     and the prefill worker's answer, actor calls the simulated network does not time), and
     decode_worker_step_overhead_s and decode_token_overhead_s: the same two of its decode
-    worker, from the same streams; and on a CPU host corun_slowdown: the median TTFT of
+    worker, from the same streams; on a CPU host kv_receive_cpu_per_token_s: the decode
+    worker's CPU per request of `receive_requests` distinct `long_len`-token prompts and of
+    `short_len`-token ones (2 tokens each: every prompt's KV crosses), less its idle rate over
+    each request's time, as a line through the two; and corun_slowdown: the median TTFT of
     prefix hits (a `long_len`-token prompt, 2 tokens each) sent one at a time alone and
     beside `corun_width` long answers, in `rounds` interleaved rounds, whose growth the
     simulator is fitted to (sim/corun.py).
@@ -138,6 +153,20 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
         finally:
             await t.aclose()
 
+    async def decode_cpu(prompt_len: int) -> tuple[float, float]:
+        """The decode worker's CPU seconds and the wall time per request of distinct (so cold)
+        `prompt_len`-token prompts, sent one at a time."""
+        t = target()
+        try:
+            await one(t, prompt_len, 2)
+            cpu, wall = _cpu_of(DECODE_TITLE), time.perf_counter()
+            for _ in range(receive_requests):
+                await one(t, prompt_len, 2)
+            cpu, wall = _cpu_of(DECODE_TITLE) - cpu, time.perf_counter() - wall
+            return cpu / receive_requests, wall / receive_requests
+        finally:
+            await t.aclose()
+
     async def streaming(width: int) -> StreamRun:
         """`width` concurrent answers."""
         t = target()
@@ -154,9 +183,10 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
     engine_only = Roofline(shape, profile.model_copy(update={"token_overhead_s": 0.0, "worker_step_overhead_s": 0.0}))
     seen: dict = {}
     update: dict = {}
-    idle = _cpu_sample()
+    idle, idle_decode = _cpu_sample(), _cpu_of(DECODE_TITLE)
     time.sleep(idle_s)
     idle_rate = _serving_cpu_s(idle, _cpu_sample()) / idle_s  # Ray's and Redis's own polling, the OS
+    decode_idle_rate = (_cpu_of(DECODE_TITLE) - idle_decode) / idle_s  # its actor's own polling
     # One stream and `streams` at once, in interleaved rounds (the machine's speed drifts):
     # what a served worker's decode step costs beyond the engine's, per step and per token.
     widths = (1, 1, 1, streams) * rounds
@@ -189,6 +219,12 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
         update["handoff_overhead_s"] = max(0.0, over[short_len] - base)
         profile = profile.model_copy(update=update)
         if profile.host_cores:
+            per_request = {n: asyncio.run(decode_cpu(n)) for n in (short_len, long_len)}
+            busy = {n: cpu - decode_idle_rate * wall for n, (cpu, wall) in per_request.items()}
+            receive = max(0.0, (busy[long_len] - busy[short_len]) / (long_len - short_len))
+            profile = profile.model_copy(update={"kv_receive_cpu_per_token_s": receive})
+            seen |= {"decode_idle_cpu_rate": decode_idle_rate} | {
+                f"decode_cpu_per_request_{n}_s": cpu for n, (cpu, _) in per_request.items()}
             scene = HitScene(shape.name, corun_width, hit_len=long_len, short_len=short_len, block_size=block_size)
             ttfts: dict[int, list[float]] = {0: [], corun_width: []}
             for _ in range(rounds):  # interleaved: the machine's speed drifts

@@ -253,7 +253,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         profile, seen = measure_serving(args.disagg_url, profile, shape, disaggregated=True)
         print(f"disaggregated: {profile.handoff_overhead_s * 1000:.1f} ms more per request; the decode worker's "
               f"step {profile.decode_worker_step_overhead_s * 1000:.2f} ms + "
-              f"{profile.decode_token_overhead_s * 1000:.2f} ms per streamed token beyond the engine's; a prompt "
+              f"{profile.decode_token_overhead_s * 1000:.2f} ms per streamed token beyond the engine's, "
+              f"{profile.kv_receive_cpu_per_token_s * 1e6:.1f} us of CPU per KV token it receives; a prompt "
               f"step beside another worker's gets at most 1/{profile.corun_slowdown:.2f} of a core ({seen})")
         if seen.get("at_bound"):
             print(f"warning: corun_slowdown stopped at its bound {profile.corun_slowdown:g}: the hits beside streams "

@@ -117,7 +117,9 @@ class Fleet:
         return SimWorker(worker_id, role, engine, self.network, self.link, self.shape.name,
                          cost.kv_bytes(1), index=self.index if role != "decode" else None,
                          publish_delay_s=self.cfg.publish_delay_s, stream_every=self.cfg.stream_every,
-                         tp_size=tp, cpu=self.cpu).start()
+                         tp_size=tp, cpu=self.cpu,
+                         kv_receive_cpu_per_token_s=device.kv_receive_cpu_per_token_s if role == "decode" else 0.0,
+                         ).start()
 
     def request_overhead_s(self, prompt_tokens: int) -> float:
         """The serving path's cost per request on this fleet, outside the engine (the profile's)."""

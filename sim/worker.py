@@ -6,7 +6,8 @@ sim/cpu_host.py), finish it, wake whoever waits on its sequences. A reservation 
 step in flight, as the real decode worker's does. Its cache
 events reach the in-memory index `publish_delay_s` later (the real publisher batches them).
 A decode worker pulls a request's KV from its prefill worker over the configured link
-(bytes / bandwidth + latency), then admits it into the blocks it reserved. `kill()` makes a
+(bytes / bandwidth + latency; on a CPU host, then the CPU its pull thread spends per KV token
+taking it in), then admits it into the blocks it reserved. `kill()` makes a
 worker die as a Ray actor does: its calls raise WorkerLost and the router migrates the
 requests (a KV pull from a dead prefill worker migrates too, where a real decode worker would
 recompute the prompt itself).
@@ -50,11 +51,13 @@ class _Stream:
 class SimWorker:
     def __init__(self, worker_id: str, role: str, engine: SimEngine, network: Network, link: LinkProfile,
                  model_id: str, kv_bytes_per_token: int, index: MemoryIndex | None = None,
-                 publish_delay_s: float = 0.05, stream_every: int = 16, tp_size: int = 1, cpu: CpuHost | None = None):
+                 publish_delay_s: float = 0.05, stream_every: int = 16, tp_size: int = 1, cpu: CpuHost | None = None,
+                 kv_receive_cpu_per_token_s: float = 0.0):
         self.worker_id, self.role, self.engine, self.network, self.link = worker_id, role, engine, network, link
         self.model_id, self.kv_bytes_per_token = model_id, kv_bytes_per_token
         self.index, self.publish_delay_s = index, publish_delay_s
         self.stream_every, self.tp_size, self.cpu = max(1, stream_every), tp_size, cpu
+        self.kv_receive_cpu_per_token_s = kv_receive_cpu_per_token_s  # a decode worker's, on `cpu`
         self.busy_s = 0.0
         self.steps = 0
         self.transferred_bytes = 0
@@ -206,6 +209,9 @@ class SimWorker:
             else:
                 start = asyncio.get_running_loop().time()
                 nbytes = await self.network.workers[prefill.worker_id].send_kv(rid)
+                if self.cpu is not None and self.kv_receive_cpu_per_token_s and nbytes:
+                    # Its pull thread takes the KV in on the host's cores (not the engine's loop).
+                    await self.cpu.run(self.kv_receive_cpu_per_token_s * nbytes / self.kv_bytes_per_token)
                 timing = Timing(transfer_s=asyncio.get_running_loop().time() - start, transfer_bytes=nbytes)
                 if rid not in self.engine.reservations:  # aborted while the KV was on its way
                     yield Chunk(rid, [], "", True, "abort")

@@ -84,6 +84,8 @@ def test_sim_calibrate_measures_the_serving_path_of_brigade_serve(base_url: str)
     assert disagg.decode_token_overhead_s is not None and disagg.decode_token_overhead_s >= 0
     assert disagg.decode_worker_step_overhead_s is not None and disagg.handoff_overhead_s >= 0
     assert 1.0 <= disagg.corun_slowdown <= 4.0
+    assert disagg.kv_receive_cpu_per_token_s >= 0  # the decode worker's CPU per KV token it takes in
+    assert seen["decode_cpu_per_request_68_s"] > 0 and seen["decode_cpu_per_request_4_s"] > 0
     assert seen["hit_alone_s"] > 0 and seen["hit_beside_2_s"] > 0
     keep = ("request_overhead_s", "request_overhead_per_token_s", "token_overhead_s", "worker_step_overhead_s",
             "stream_cpu_s")

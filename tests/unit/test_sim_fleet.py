@@ -189,3 +189,14 @@ def test_streaming_work_slows_the_steps_only_when_the_cores_run_short(tmp_path) 
     assert e2e[(2, 0.002)] == pytest.approx(e2e[(2, 0.0)])
     assert e2e[(1, 0.002)] > e2e[(2, 0.0)] + 0.002  # at least a few tokens' streaming shared the core
     assert e2e[(1, 0.002)] < e2e[(2, 0.0)] + 8 * 0.002 + 1e-9  # never more than all of it
+
+
+def test_a_decode_worker_takes_the_kv_in_on_the_hosts_cores(tmp_path) -> None:
+    """Its pull thread's CPU per KV token, after the link's time: alone on a host with a spare
+    core, the request's second token comes exactly that much later, its first not at all."""
+    sessions = [SimSession("a", 0.0, ((list(range(64)), 3),))]
+    plain = FLEET.model_copy(update={"device": _profile(tmp_path, host_cores=3)})
+    taking = FLEET.model_copy(update={"device": _profile(tmp_path, host_cores=3, kv_receive_cpu_per_token_s=1e-4)})
+    (p,), (t,) = simulate(plain, sessions)["records"], simulate(taking, sessions)["records"]
+    assert t.ttft_s == pytest.approx(p.ttft_s)
+    assert t.e2e_s == pytest.approx(p.e2e_s + 64 * 1e-4)
