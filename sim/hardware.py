@@ -58,7 +58,7 @@ class DeviceProfile(_Frozen):
     handoff_overhead_s: float = Field(0.0, ge=0)
     # Per KV token a disaggregated decode worker receives, the CPU its pull thread spends taking
     # it in (beside the link's time), on host_cores (calibrate --disagg-url; 0 for the GPUs: a
-    # NIC's or NVLink's copy engine moves it). About 44 us in float32 on the slow AMD machine here.
+    # NIC's or NVLink's copy engine moves it). About 17 us in float32 on the slow AMD machine here.
     kv_receive_cpu_per_token_s: float = Field(0.0, ge=0)
     # A CPU machine: its cores, shared by every worker's engine thread and the serving path
     # (processor sharing, sim/cpu_host.py). None: each worker has its device to itself (a GPU).
