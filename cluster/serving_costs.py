@@ -42,28 +42,28 @@ class CpuSample(NamedTuple):
     workers_s: dict[int, float]  # each worker process's own, by pid
 
 
+def _titled_cpu_s(titles: str | tuple[str, ...]) -> dict[int, float]:
+    """CPU seconds of each process Ray titled one of `titles` (an actor class's), by pid."""
+    out = {}
+    for proc in psutil.process_iter(["cmdline", "cpu_times"]):
+        cmd, cpu = proc.info["cmdline"] or [], proc.info["cpu_times"]
+        if cpu is not None and cmd and cmd[0].startswith(titles):
+            out[proc.pid] = cpu.user + cpu.system
+    return out
+
+
 def _cpu_sample() -> CpuSample:
     # The machine's busy time, not a sum over the processes alive now: a process that exits
     # between two samples (a Ray helper, a gRPC call's) would take its CPU out of the sum, and
     # an idle second measured that way once came out at -0.71 cores, which tripled stream_cpu_s.
     t = psutil.cpu_times()
     busy = t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
-    workers = {}
-    for proc in psutil.process_iter(["cmdline", "cpu_times"]):
-        cmd, cpu = proc.info["cmdline"] or [], proc.info["cpu_times"]
-        if cpu is not None and cmd and cmd[0].startswith(WORKER_TITLES):
-            workers[proc.pid] = cpu.user + cpu.system
-    return CpuSample(busy, workers)
+    return CpuSample(busy, _titled_cpu_s(WORKER_TITLES))
 
 
 def _cpu_of(title: str) -> float:
-    """CPU seconds of the processes Ray titled `title` (an actor class's)."""
-    total = 0.0
-    for proc in psutil.process_iter(["cmdline", "cpu_times"]):
-        cmd, cpu = proc.info["cmdline"] or [], proc.info["cpu_times"]
-        if cpu is not None and cmd and cmd[0].startswith(title):
-            total += cpu.user + cpu.system
-    return total
+    """CPU seconds of the processes Ray titled `title`, together."""
+    return sum(_titled_cpu_s(title).values())
 
 
 def _serving_cpu_s(since: CpuSample, until: CpuSample) -> float:
