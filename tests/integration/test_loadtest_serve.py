@@ -73,7 +73,11 @@ def test_sim_calibrate_measures_the_serving_path_of_brigade_serve(base_url: str)
                                step_overhead_s=0.001, dtype_bytes=4, host_cores=2.0)
     short = {"requests": 3, "long_len": 68, "decode_tokens": 12, "streams": 2, "rounds": 1}
     colocated, seen = measure_serving(base_url, engine_fit, shape, **short)
-    assert 0 < colocated.request_overhead_s <= seen["median_ttft_4_s"]
+    # The line through the short and the long prompt's medians: its intercept is clamped at 0
+    # when a busy moment lifts the long one (once on a loaded 2-core CI run, 3 requests each), so
+    # what is certain is the short prompt's whole cost, above 0 and (the intercept) within its TTFT.
+    assert colocated.request_overhead_s + 4 * colocated.request_overhead_per_token_s > 0
+    assert 0 <= colocated.request_overhead_s <= seen["median_ttft_4_s"]
     assert colocated.request_overhead_per_token_s >= 0 and colocated.stream_cpu_s >= 0
     assert colocated.token_overhead_s >= 0 and colocated.worker_step_overhead_s >= 0
     assert seen["time_per_token_1_streams_s"] > 0 and seen["time_per_token_2_streams_s"] > 0
