@@ -14,7 +14,8 @@ in the same benchmark run (benchmarks/_sim_validate.py has the pieces).
    the same fleet, requests and arrival times, on the serving path's costs of step 1 and the
    mean of two engine fits taken on the running fleet just before and just after its
    measured runs (this machine's speed drifts by tens of percent within minutes: other
-   tenants; one fit at the start predicted the last fleets 30-40% fast). `sim_error_<figure>`
+   tenants; one fit at the start predicted the last fleets 30-40% fast; runs under which the
+   two fits moved by more than MAX_DRIFT are measured again). `sim_error_<figure>`
    is the largest relative error over those runs, for p50 and p90 TTFT, mean TPOT, request
    throughput and the prefix hit ratio.
 3. Advisor: `brigade plan` (simulated, on the calibrated profile) picks the cheapest fleet of
@@ -40,6 +41,7 @@ from _sim_validate import (
     bench,
     calibrate,
     calibrate_here,
+    engine_drift,
     engine_fit_around,
     errors,
     fleet_config,
@@ -51,10 +53,16 @@ from _sim_validate import (
 MODEL = "bench"
 NUM_BLOCKS = 1024
 SLO = "ttft=2s,tpot=200ms"
-LOAD = Load(rates=(1.0, 2.0, 4.0), num_groups=4, prompts_per_group=4, system_prompt_len=512, question_len=32,
+# 32 requests a run: with 16, a run's p50 TTFT fell between two of its hits and moved with
+# either (the run-to-run spread of one fleet's p50 was 0.07-0.43 of it).
+LOAD = Load(rates=(1.0, 2.0, 4.0), num_groups=4, prompts_per_group=8, system_prompt_len=512, question_len=32,
             output_len=32)
-ROUTING_LOAD = Load(rates=(2.0,), num_groups=4, prompts_per_group=6, system_prompt_len=1024, question_len=32,
+ROUTING_LOAD = Load(rates=(2.0,), num_groups=4, prompts_per_group=8, system_prompt_len=1024, question_len=32,
                     output_len=16, seed=100)
+# A validated fleet whose engine fits before and after its runs differ by more than this is
+# measured again (at most MEASURE_TRIES times; the steadiest try counts).
+MAX_DRIFT = 0.2
+MEASURE_TRIES = 2
 ADVISOR_SLO = "ttft=1500ms,tpot=150ms"
 ADVISOR_LOAD = Load(rates=(3.0,), num_groups=2, prompts_per_group=12, system_prompt_len=512, question_len=256,
                     output_len=32, burstiness=0.25, seed=200)
@@ -117,15 +125,31 @@ def run(out_dir: Path, quick: bool, parts: set[str]) -> tuple[dict, dict]:
         validated = any(kind == "validate" for kind, _, _ in todo)
         try:  # one fleet that will not start (a loaded machine's Ray bootstrap) leaves the others' figures
             with serve(fleet, MODEL, NUM_BLOCKS, out_dir / "logs") as url:
-                if validated:  # the machine's speed drifts by tens of percent within minutes
-                    before = calibrate(MODEL, 1, out_dir / f"{fleet.name}-before.json")
-                for kind, load, slo in todo:
-                    measured[(fleet.name, kind)] = bench(url, load, slo, out_dir / f"{fleet.name}-{kind}",
-                                                         fleet.name)
-                if validated:
-                    after = calibrate(MODEL, 1, out_dir / f"{fleet.name}-after.json")
-                    profiles[fleet.name] = out_dir / f"{fleet.name}-profile.json"
-                    profiles[fleet.name].write_text(json.dumps(engine_fit_around(before, after, profile), indent=1))
+                if not validated:
+                    for kind, load, slo in todo:
+                        measured[(fleet.name, kind)] = bench(url, load, slo, out_dir / f"{fleet.name}-{kind}",
+                                                             fleet.name)
+                    continue
+                # The machine's speed drifts by tens of percent within minutes: the engine is fitted
+                # just before and just after the runs, and runs it moved under by more than
+                # MAX_DRIFT are measured again (the engine fits then cannot say what they ran on).
+                before = calibrate(MODEL, 1, out_dir / f"{fleet.name}-before.json")
+                tries = []
+                for attempt in range(1, MEASURE_TRIES + 1):
+                    runs = {kind: bench(url, load, slo, out_dir / f"{fleet.name}-{kind}-{attempt}", fleet.name)
+                            for kind, load, slo in todo}
+                    after = calibrate(MODEL, 1, out_dir / f"{fleet.name}-after-{attempt}.json")
+                    drift = engine_drift(MODEL, before, after)
+                    tries.append((drift, runs, before, after))
+                    print(f"  {fleet.name}: the engine's steps moved {drift:.0%} during its runs", flush=True)
+                    if drift <= MAX_DRIFT:
+                        break
+                    before = after
+                drift, runs, before, after = min(tries, key=lambda t: t[0])
+                raw.setdefault("engine_drift", {})[fleet.name] = [t[0] for t in tries]
+                measured.update({(fleet.name, kind): r for kind, r in runs.items()})
+                profiles[fleet.name] = out_dir / f"{fleet.name}-profile.json"
+                profiles[fleet.name].write_text(json.dumps(engine_fit_around(before, after, profile), indent=1))
         except (RuntimeError, subprocess.CalledProcessError) as exc:
             raw["failed_fleets"][fleet.name] = str(exc)
             print(f"  {fleet.name} failed: {exc}", flush=True)

@@ -158,12 +158,27 @@ def engine_fit_around(before: dict, after: dict, serving: dict) -> dict:
     return out
 
 
+def engine_drift(model: str, before: dict, after: dict) -> float:
+    """How far this machine's speed moved between two engine fits: the largest relative
+    difference of the steps a validated run is made of (a decode batch of 1 and of 4, a
+    512-token prompt, a 32-token prefix hit over 512) as each fit predicts them."""
+    from sim.cost import Roofline, StepWork
+    from sim.hardware import DeviceProfile
+    from sim.shapes import load_shape
+
+    shape = load_shape(model)
+    fits = [Roofline(shape, DeviceProfile.model_validate(p)) for p in (before, after)]
+    steps = [StepWork.of([(1, 300, True)]), StepWork.of([(1, 300, True)] * 4), StepWork.of([(512, 0, True)]),
+             StepWork.of([(32, 512, True)])]
+    return max(abs(fits[1].step_s(w) / fits[0].step_s(w) - 1) for w in steps)
+
+
 def calibrate_serving(model: str, url: str, profile: Path, disaggregated: bool = False,
                       log: Path | None = None) -> dict:
     """`brigade sim calibrate --serving-only` against a running `brigade serve` of `model`
     (colocated: --url; disaggregated: --disagg-url): the profile, with the serving path's costs.
     `log` keeps what it printed (what it measured, before the fit)."""
-    cmd = [sys.executable, "-m", "cluster.cli", "sim", "calibrate", "--preset", model,
+    cmd = [sys.executable, "-m", "cluster.cli", "sim", "calibrate", "--preset", model, "--threads", "1",
            "--disagg-url" if disaggregated else "--url", url, "--serving-only", "--out", str(profile)]
     done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
     if log is not None:

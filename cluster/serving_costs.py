@@ -19,6 +19,7 @@ from sim.corun import HitScene, fit_corun_slowdown
 from sim.cost import Roofline, StepWork
 from sim.hardware import DeviceProfile
 from sim.shapes import ModelShape
+from sim.step_timer import StepTimer
 
 # Ray titles an actor's process after its class: the workers' (their steps are the engine fit's).
 WORKER_TITLES = ("ray::PrefillActor", "ray::DecodeActor", "ray::RankActor")
@@ -29,6 +30,7 @@ class StreamRun(NamedTuple):
     """Concurrent answers streamed at once, and what the machine spent beside the workers."""
 
     per_token_s: float  # median time per token after the first
+    second_gap_s: float  # median time from the first token to the second
     cpu_s: float  # CPU seconds of every process but the workers'
     wall_s: float
     tokens: int
@@ -66,6 +68,21 @@ def _cpu_of(title: str) -> float:
     return sum(_titled_cpu_s(title).values())
 
 
+def _step_and_token_overheads(one: float, many: float, width: int) -> tuple[float, float]:
+    """A served decode step's cost beyond the engine's, per step and per streamed token, from
+    what one stream and `width` streams at once cost beyond it: the line through the two, and
+    where that crosses below 0 (one stream served faster than the engine's own step timed
+    beside it: noise), the best fit with that term 0 rather than the line clamped, which would
+    add the lost part to every step."""
+    per_seq = (many - one) / (width - 1)
+    per_step = one - per_seq
+    if per_step < 0:
+        per_step, per_seq = 0.0, max(0.0, (one + width * many) / (1 + width * width))
+    elif per_seq < 0:
+        per_step, per_seq = max(0.0, (one + many) / 2), 0.0
+    return per_step, per_seq
+
+
 def _serving_cpu_s(since: CpuSample, until: CpuSample) -> float:
     """CPU seconds the machine spent between two samples outside the workers: the door, the
     router, Ray's and Redis's own, the kernel's, this client."""
@@ -77,7 +94,7 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
                     requests: int = 8, short_len: int = 4, long_len: int = 516, decode_tokens: int = 48,
                     streams: int = 4, rounds: int = 2, idle_s: float = 3.0,
                     block_size: int = 16, corun_width: int = 2,
-                    receive_requests: int = 3) -> tuple[DeviceProfile, dict]:
+                    receive_requests: int = 3, timer: StepTimer | None = None) -> tuple[DeviceProfile, dict]:
     """The serving path's costs on a running `brigade serve` at `url` (of the preset the profile
     was fitted on), through loadtest's HTTP target as `brigade bench` sends requests; distinct
     prompts (no prefix hit) but where said. A colocated serve gives
@@ -108,16 +125,24 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
     prefix hits (a `long_len`-token prompt, 2 tokens each) sent one at a time alone and
     beside `corun_width` long answers, in `rounds` interleaved rounds, whose growth the
     simulator is fitted to (sim/corun.py).
+    `timer` (sim/step_timer.py, the engine of the same preset and threads as a served worker)
+    times the engine's own step in this process just before each streaming round and each TTFT
+    measurement, and what the serve adds is measured against that: this machine's speed drifts
+    by tens of percent within minutes, and against the profile's fit, taken minutes earlier,
+    the whole drift landed in the serving terms (a decode worker's 7 ms per token beyond the
+    engine in one slow spell, 3 in the next calibration). Without it, against the profile's steps.
     The profile with them set, and what was seen."""
     ids = iter(range(10**9))
 
-    async def one(target, prompt_len: int, max_tokens: int, i: int | None = None) -> tuple[float, float, int]:
+    async def one(target, prompt_len: int, max_tokens: int, i: int | None = None) -> tuple[float, float, int, float]:
+        """(TTFT, the last token's time, tokens, the first token's time to the second's) of one answer."""
         i = next(ids) if i is None else i  # the same i: the same prompt (a prefix hit after the first)
         tokens = [101 + (7 * i + 13 * j) % 997 for j in range(prompt_len)]
         prompt = Prompt(f"calibrate-{i}", "calibrate", (Message("user", tokens),), max_tokens)
         sent = time.perf_counter()
         chunks = [c async for c in target.stream(prompt) if c.num_tokens]
-        return chunks[0].time - sent, chunks[-1].time - sent, sum(c.num_tokens for c in chunks)
+        second = chunks[1].time - chunks[0].time if len(chunks) > 1 else 0.0
+        return chunks[0].time - sent, chunks[-1].time - sent, sum(c.num_tokens for c in chunks), second
 
     def target():
         return make_target(TargetConfig(url=url, ignore_eos=True, return_token_ids=True, timeout_s=120))
@@ -175,8 +200,9 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
             before, wall = _cpu_sample(), time.perf_counter()
             runs = await asyncio.gather(*(one(t, short_len, decode_tokens) for _ in range(width)))
             cpu, wall = _serving_cpu_s(before, _cpu_sample()), time.perf_counter() - wall
-            per_token = statistics.median((last - first) / (n - 1) for first, last, n in runs if n > 1)
-            return StreamRun(per_token, cpu, wall, sum(n for _, _, n in runs), width)
+            per_token = statistics.median((last - first) / (n - 1) for first, last, n, _ in runs if n > 1)
+            second = statistics.median(gap for *_, gap in runs)
+            return StreamRun(per_token, second, cpu, wall, sum(n for _, _, n, _ in runs), width)
         finally:
             await t.aclose()
 
@@ -187,20 +213,39 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
     time.sleep(idle_s)
     idle_rate = _serving_cpu_s(idle, _cpu_sample()) / idle_s  # Ray's and Redis's own polling, the OS
     decode_idle_rate = (_cpu_of(DECODE_TITLE) - idle_decode) / idle_s  # its actor's own polling
+    def decode_step_s(width: int) -> float:
+        """The engine's own decode step of `width` streams' batch: timed now, or the profile's."""
+        if timer is not None:
+            return statistics.mean(timer.decode(width, 4))
+        return engine_only.step_s(StepWork.of([(1, short_len + decode_tokens // 2, True)] * width))
+
+    def prefill_step_s(new: int, cached: int) -> float:
+        if timer is not None:
+            return statistics.mean(timer.prefill(new, cached) for _ in range(3))
+        return roofline.step_s(StepWork.of([(new, cached, True)]))
+
     # One stream and `streams` at once, in interleaved rounds (the machine's speed drifts):
     # what a served worker's decode step costs beyond the engine's, per step and per token.
     widths = (1, 1, 1, streams) * rounds
-    runs = [asyncio.run(streaming(w)) for w in widths]
+    steps, runs = [], []
+    for w in widths:
+        steps.append(decode_step_s(w))
+        runs.append(asyncio.run(streaming(w)))
     beyond = {}
     for width in (1, streams):
         per_token = statistics.mean(r.per_token_s for w, r in zip(widths, runs) if w == width)
-        step = engine_only.step_s(StepWork.of([(1, short_len + decode_tokens // 2, True)] * width))
+        step = statistics.mean(t for w, t in zip(widths, steps) if w == width)
         beyond[width] = per_token - step
         seen[f"time_per_token_{width}_streams_s"], seen[f"decode_step_{width}_s"] = per_token, step
-    per_seq = max(0.0, (beyond[streams] - beyond[1]) / (streams - 1))
-    per_step = max(0.0, beyond[1] - per_seq)
+    per_step, per_seq = _step_and_token_overheads(beyond[1], beyond[streams], streams)
     prefix = "decode_" if disaggregated else ""  # a disaggregated fleet's decode worker has its own
     update[f"{prefix}token_overhead_s"], update[f"{prefix}worker_step_overhead_s"] = per_seq, per_step
+    if disaggregated:
+        # The first token comes from the prefill worker; the second waits for the router's call to
+        # the decode actor, its push request, the KV pull and the admit between steps, then a step.
+        second = statistics.mean(r.second_gap_s for w, r in zip(widths, runs) if w == 1)
+        update["decode_admit_overhead_s"] = max(0.0, second - seen["time_per_token_1_streams_s"])
+        seen["second_token_gap_1_stream_s"] = second
     cpu, wall = sum(r.cpu_s for r in runs), sum(r.wall_s for r in runs)
     tokens, requests_n = sum(r.tokens for r in runs), sum(r.requests for r in runs)
     seen |= {"serving_cpu_s": cpu, "streaming_wall_s": wall, "streamed_tokens": tokens, "idle_cpu_rate": idle_rate}
@@ -211,8 +256,9 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
     over = {}
     for n in lens:
         cached = 0 if n == short_len else (n - 1) // block_size * block_size  # a hit leaves >= 1 token to run
+        step = prefill_step_s(n - cached, cached)
         measured = asyncio.run(ttft(n, hit=bool(cached)))
-        over[n] = measured - roofline.step_s(StepWork.of([(n - cached, cached, True)]))
+        over[n] = measured - step
         seen[f"median_ttft_{n}_s"] = measured
     if disaggregated:
         base = profile.request_overhead_s + profile.request_overhead_per_token_s * short_len

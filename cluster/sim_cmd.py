@@ -107,7 +107,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                                  "  brigade sim run --model bench --device this-machine.json --workload random")
     cal.add_argument("--preset", default="bench", help="the engine preset to time (default bench)")
     cal.add_argument("--out", default="this-machine.json", help="where the profile goes")
-    cal.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
+    cal.add_argument("--threads", type=int, help="torch threads (default: torch's own); with --url/--disagg-url "
+                                                  "also the engine timed here beside each served measurement: give "
+                                                  "what one served worker has")
     cal.add_argument("--url", help="a running `brigade serve` of the same preset: also measure the serving path's "
                                     "costs beyond the engine steps (request_overhead_s, token_overhead_s)")
     cal.add_argument("--disagg-url", help="a running disaggregated `brigade serve` of the same preset: measure what "
@@ -237,24 +239,33 @@ def _calibrate(args: argparse.Namespace) -> int:
             print(f"{e['kind']:8s} {e['tokens']:5d} tokens after {e['context']:5d}  "
                   f"measured {e['measured_s'] * 1000:8.2f} ms  "
                   f"fitted {e['predicted_s'] * 1000:8.2f} ms  ({e['error']:+.1%})")
-        print(f"peak {profile.peak_flops / 1e9:.1f} GFLOP/s (attention at {profile.attn_eff:.2f} of it), "
+        print(f"peak {profile.peak_flops / 1e9:.1f} GFLOP/s (attention over cached context at "
+              f"{profile.attn_eff:.2f} of it), "
               f"memory {profile.mem_bw / 1e9:.1f} GB/s, "
               f"step overhead {profile.step_overhead_s * 1000:.2f} ms + {profile.seq_overhead_s * 1000:.2f} ms "
               f"per sampled sequence; {profile.host_cores:g} steps at once on this host's {cores} cores")
     shape = ModelShape.from_config(args.preset, PRESETS[args.preset].config)
+    timer = None
+    if args.url or args.disagg_url:
+        from sim.step_timer import StepTimer
+
+        # The engine's own steps, timed beside each served measurement (the machine drifts);
+        # --threads: what one served worker gets.
+        timer = StepTimer(args.preset, args.dtype, context=28, threads=args.threads)  # the streams' mean context
     if args.url:
-        profile, seen = measure_serving(args.url, profile, shape, block_size=CacheConfig().block_size)
+        profile, seen = measure_serving(args.url, profile, shape, block_size=CacheConfig().block_size, timer=timer)
         print(f"serving path: {profile.request_overhead_s * 1000:.1f} ms per request + "
               f"{profile.request_overhead_per_token_s * 1e6:.1f} us per prompt token, "
               f"a served worker's step {profile.worker_step_overhead_s * 1000:.2f} ms + "
               f"{profile.token_overhead_s * 1000:.2f} ms per streamed token beyond the engine's, and "
               f"{profile.stream_cpu_s * 1000:.2f} ms of CPU beside it per streamed token ({seen})")
     if args.disagg_url:
-        profile, seen = measure_serving(args.disagg_url, profile, shape, disaggregated=True)
+        profile, seen = measure_serving(args.disagg_url, profile, shape, disaggregated=True, timer=timer)
         print(f"disaggregated: {profile.handoff_overhead_s * 1000:.1f} ms more per request; the decode worker's "
               f"step {profile.decode_worker_step_overhead_s * 1000:.2f} ms + "
               f"{profile.decode_token_overhead_s * 1000:.2f} ms per streamed token beyond the engine's, "
-              f"{profile.kv_receive_cpu_per_token_s * 1e6:.1f} us of CPU per KV token it receives; a prompt "
+              f"{profile.kv_receive_cpu_per_token_s * 1e6:.1f} us of CPU per KV token it receives, "
+              f"{profile.decode_admit_overhead_s * 1000:.1f} ms before it takes a request in; a prompt "
               f"step beside another worker's gets at most 1/{profile.corun_slowdown:.2f} of a core ({seen})")
         if seen.get("at_bound"):
             print(f"warning: corun_slowdown stopped at its bound {profile.corun_slowdown:g}: the hits beside streams "

@@ -30,18 +30,23 @@ class StepWork:
     sampled: int = 0  # sequences whose step ends in a sampled token (the LM head runs for them)
     attn_pairs: float = 0.0  # query-key pairs: sum of new * (context + (new + 1) / 2)
     kv_tokens: int = 0  # KV read: sum of context + new
+    # Of attn_pairs, those against the context before the step (sum of new * context): a prefix
+    # hit's, a later chunk's, every decode step's. They read the paged cache (attn_eff's rate);
+    # a fresh prompt's pairs among its own tokens run on the dense causal kernel, at the matmuls'.
+    ctx_pairs: float = 0.0
 
     @classmethod
     def of(cls, items: Iterable[tuple[int, int, bool]]) -> StepWork:
         """From (new tokens, context before, samples) per sequence."""
         tokens = sampled = kv = 0
-        pairs = 0.0
+        pairs = ctx_pairs = 0.0
         for new, ctx, samples in items:
             tokens += new
             sampled += samples
             pairs += new * (ctx + (new + 1) / 2)
+            ctx_pairs += new * ctx
             kv += ctx + new
-        return cls(tokens, sampled, pairs, kv)
+        return cls(tokens, sampled, pairs, kv, ctx_pairs)
 
 
 class Roofline:
@@ -66,8 +71,8 @@ class Roofline:
         return (self._token_flops * w.tokens + self._pair_flops * w.attn_pairs + self._head_flops * w.sampled) / self.tp
 
     def attn_flops(self, w: StepWork) -> float:
-        """The query-key part of flops() (what runs at the device's attn_eff)."""
-        return self._pair_flops * w.attn_pairs / self.tp
+        """The query-key part of flops() over the cached context (what runs at the device's attn_eff)."""
+        return self._pair_flops * w.ctx_pairs / self.tp
 
     def bytes(self, w: StepWork) -> float:
         weights = self._dense_bytes
@@ -104,7 +109,7 @@ class Roofline:
         and the last step the times are exactly linear in between."""
         def work(j: int) -> StepWork:
             kv = context + batch * (j + 1)
-            return StepWork(batch, batch, kv, kv)
+            return StepWork(batch, batch, kv, kv, kv - batch)
 
         a, b = work(0), work(steps - 1)
         if steps < 3 or self.compute_bound(a) != self.compute_bound(b):

@@ -119,6 +119,7 @@ class Fleet:
                          publish_delay_s=self.cfg.publish_delay_s, stream_every=self.cfg.stream_every,
                          tp_size=tp, cpu=self.cpu,
                          kv_receive_cpu_per_token_s=device.kv_receive_cpu_per_token_s if role == "decode" else 0.0,
+                         admit_overhead_s=device.decode_admit_overhead_s if role == "decode" else 0.0,
                          ).start()
 
     def request_overhead_s(self, prompt_tokens: int) -> float:

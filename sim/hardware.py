@@ -56,6 +56,11 @@ class DeviceProfile(_Frozen):
     # Per request of a disaggregated fleet, beyond request_overhead_s: the decode worker's
     # reservation and the prefill worker's answer (calibrate --disagg-url; 0 for the catalog's GPUs).
     handoff_overhead_s: float = Field(0.0, ge=0)
+    # Per request of a disaggregated fleet, between its first token and the decode worker taking
+    # it in: the router's call to the decode actor, its push request to the prefill worker, the
+    # pull thread's and the engine loop's wake-ups (calibrate --disagg-url: the gap from the first
+    # token to the second, less a steady token's; 20-30 ms on the Zen3 machine here; 0 for the GPUs).
+    decode_admit_overhead_s: float = Field(0.0, ge=0)
     # Per KV token a disaggregated decode worker receives, the CPU its pull thread spends taking
     # it in (beside the link's time), on host_cores (calibrate --disagg-url; 0 for the GPUs: a
     # NIC's or NVLink's copy engine moves it). About 17 us in float32 on the slow AMD machine here.

@@ -52,12 +52,13 @@ class SimWorker:
     def __init__(self, worker_id: str, role: str, engine: SimEngine, network: Network, link: LinkProfile,
                  model_id: str, kv_bytes_per_token: int, index: MemoryIndex | None = None,
                  publish_delay_s: float = 0.05, stream_every: int = 16, tp_size: int = 1, cpu: CpuHost | None = None,
-                 kv_receive_cpu_per_token_s: float = 0.0):
+                 kv_receive_cpu_per_token_s: float = 0.0, admit_overhead_s: float = 0.0):
         self.worker_id, self.role, self.engine, self.network, self.link = worker_id, role, engine, network, link
         self.model_id, self.kv_bytes_per_token = model_id, kv_bytes_per_token
         self.index, self.publish_delay_s = index, publish_delay_s
         self.stream_every, self.tp_size, self.cpu = max(1, stream_every), tp_size, cpu
         self.kv_receive_cpu_per_token_s = kv_receive_cpu_per_token_s  # a decode worker's, on `cpu`
+        self.admit_overhead_s = admit_overhead_s  # a decode worker's, before each pull
         self.busy_s = 0.0
         self.steps = 0
         self.transferred_bytes = 0
@@ -208,6 +209,9 @@ class SimWorker:
                 seq = self.engine.add(req)
             else:
                 start = asyncio.get_running_loop().time()
+                if self.admit_overhead_s:  # the calls and wake-ups before the pull (a latency, not work)
+                    await asyncio.sleep(self.admit_overhead_s)
+                    self._check()
                 nbytes = await self.network.workers[prefill.worker_id].send_kv(rid)
                 if self.cpu is not None and self.kv_receive_cpu_per_token_s and nbytes:
                     # Its pull thread takes the KV in on the host's cores (not the engine's loop).

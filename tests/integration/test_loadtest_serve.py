@@ -67,6 +67,7 @@ def test_sim_calibrate_measures_the_serving_path_of_brigade_serve(base_url: str)
     from engine.presets import PRESETS
     from sim.hardware import DeviceProfile
     from sim.shapes import ModelShape
+    from sim.step_timer import StepTimer
 
     shape = ModelShape.from_config("tiny", PRESETS["tiny"].config)
     engine_fit = DeviceProfile(name="this-machine", peak_flops=20e9, mem_bw=20e9, mem_bytes=8e9,
@@ -84,7 +85,11 @@ def test_sim_calibrate_measures_the_serving_path_of_brigade_serve(base_url: str)
     assert seen["idle_cpu_rate"] >= -0.05  # the machine's busy time less the workers': never below 0 but a tick
     assert colocated.host_cores == 2.0 and colocated.decode_token_overhead_s is None
 
-    disagg, seen = measure_serving(base_url, colocated, shape, disaggregated=True, **short)
+    # This pass measures against the engine's own steps timed in this process at the same moment.
+    timer = StepTimer("tiny", "float32", context=10, threads=1)
+    disagg, seen = measure_serving(base_url, colocated, shape, disaggregated=True, timer=timer, **short)
+    assert seen["decode_step_1_s"] > 0 and seen["second_token_gap_1_stream_s"] > 0
+    assert 0 <= disagg.decode_admit_overhead_s < seen["second_token_gap_1_stream_s"]
     assert disagg.decode_token_overhead_s is not None and disagg.decode_token_overhead_s >= 0
     assert disagg.decode_worker_step_overhead_s is not None and disagg.handoff_overhead_s >= 0
     assert 1.0 <= disagg.corun_slowdown <= 4.0

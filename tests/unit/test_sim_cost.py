@@ -77,3 +77,18 @@ def test_a_served_workers_token_overhead_is_paid_per_sampled_sequence() -> None:
     # decode_steps_s stays exact with it (a constant per step for a fixed batch).
     assert served.decode_steps_s(4, 300, 10) == pytest.approx(
         [served.step_s(StepWork(4, 4, 300 + 4 * (j + 1), 300 + 4 * (j + 1))) for j in range(10)])
+
+
+def test_attention_below_the_matmuls_rate_slows_only_pairs_against_the_cached_context() -> None:
+    """A fresh prompt's causal attention among its own tokens runs on the dense kernel (the
+    matmuls' rate); a prefix hit's and a decode step's read the paged cache (attn_eff)."""
+    shape = load_shape("bench")
+    fast = load_device("cpu-2core")
+    slow = fast.model_copy(update={"attn_eff": 0.25})
+    fresh, hit = StepWork.of([(1024, 0, True)]), StepWork.of([(32, 1024, True)])
+    assert hit.ctx_pairs == 32 * 1024 and fresh.ctx_pairs == 0
+    assert Roofline(shape, slow).compute_s(fresh) == pytest.approx(Roofline(shape, fast).compute_s(fresh))
+    assert Roofline(shape, slow).compute_s(hit) > Roofline(shape, fast).compute_s(hit)
+    r = Roofline(shape, slow)
+    steps = r.decode_steps_s(4, 4 * 300, 5)  # the steady path's steps equal the step-by-step ones
+    assert steps == pytest.approx([r.step_s(StepWork.of([(1, 300 + j, True)] * 4)) for j in range(5)])

@@ -200,3 +200,18 @@ def test_a_decode_worker_takes_the_kv_in_on_the_hosts_cores(tmp_path) -> None:
     (p,), (t,) = simulate(plain, sessions)["records"], simulate(taking, sessions)["records"]
     assert t.ttft_s == pytest.approx(p.ttft_s)
     assert t.e2e_s == pytest.approx(p.e2e_s + 64 * 1e-4)
+
+
+def test_a_decode_workers_admit_overhead_delays_the_second_token_only(tmp_path) -> None:
+    """The calls and wake-ups between a request's first token and the decode worker taking it in:
+    a latency before the pull, so its second token (and every later one) comes that much later."""
+    sessions = [SimSession("a", 0.0, ((list(range(64)), 3),))]
+    plain = FLEET.model_copy(update={"device": _profile(tmp_path)})
+    slow = FLEET.model_copy(update={"device": _profile(tmp_path, decode_admit_overhead_s=0.025)})
+    (p,), (s,) = simulate(plain, sessions)["records"], simulate(slow, sessions)["records"]
+    assert s.ttft_s == pytest.approx(p.ttft_s)
+    assert s.chunk_times_s[1] - s.chunk_times_s[0] == pytest.approx(p.chunk_times_s[1] - p.chunk_times_s[0] + 0.025)
+    assert s.e2e_s == pytest.approx(p.e2e_s + 0.025)
+    colocated = plain.model_copy(update={"mode": "colocated", "device": _profile(tmp_path, decode_admit_overhead_s=1)})
+    (c,) = simulate(colocated, sessions)["records"]  # no decode worker takes a request in: no such wait
+    assert c.e2e_s < 1

@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from _sim_validate import Fleet, Load, errors, fleet_config, simulate_load  # noqa: E402
+from _sim_validate import Fleet, Load, engine_drift, errors, fleet_config, simulate_load  # noqa: E402
 
 from cluster.sim_bridge import from_loadtest  # noqa: E402
 from loadtest.arrivals import arrival_offsets  # noqa: E402
@@ -74,3 +74,16 @@ def test_micro_scenes_simulate_each_interaction(tmp_path: Path) -> None:
     assert 0 < scene["tpot_beside_3"] < scene["hit_beside_3"]
     assert scene["hit_beside_3"] > scene["hit_beside_0"] > 0
     assert scene["hit_after_hit"] > scene["hit_beside_0"]
+
+
+def test_engine_drift_is_the_largest_relative_move_of_a_validated_runs_steps() -> None:
+    """Two engine fits around a measured run: the same machine gives 0; one whose steps all ran
+    30% longer (every rate 1/1.3, every overhead x1.3) gives 0.3, whichever step is asked."""
+    from sim.hardware import load_device
+
+    fit = load_device("cpu-2core").model_copy(update={"seq_overhead_s": 0.002, "attn_eff": 0.5}).model_dump()
+    slower = {**fit, "peak_flops": fit["peak_flops"] / 1.3, "mem_bw": fit["mem_bw"] / 1.3,
+              "step_overhead_s": fit["step_overhead_s"] * 1.3, "seq_overhead_s": fit["seq_overhead_s"] * 1.3}
+    assert engine_drift("bench", fit, fit) == 0
+    assert engine_drift("bench", fit, slower) == pytest.approx(0.3)
+    assert engine_drift("bench", slower, fit) == pytest.approx(1 - 1 / 1.3)  # relative to the first
