@@ -16,7 +16,8 @@ Runs 2 and 3 scale output lengths by OUTPUT_SCALE (TTFT and hits are decided on 
 side; decode only adds simulation time).
 
 Measured (parts validate, advisor; benchmarks/_sim_measured.py; about 10 minutes on a quiet
-AVX-512 machine; validate alone took 25 on a float32 Zen3): real `brigade serve` fleets of
+AVX-512 machine; the whole benchmark took 26 on a float32 Zen3, one fleet measured twice as
+the machine moved under it): real `brigade serve` fleets of
 the `bench` preset loaded by `brigade bench run`, beside simulated
 runs of the same fleets and requests on the profile `brigade sim calibrate` fits here:
 `sim_error_*` (serving_bench.sh's configurations and a 2-prefill routing run) and
