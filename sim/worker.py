@@ -6,8 +6,9 @@ sim/cpu_host.py), finish it, wake whoever waits on its sequences. A reservation 
 step in flight, as the real decode worker's does. Its cache
 events reach the in-memory index `publish_delay_s` later (the real publisher batches them).
 A decode worker pulls a request's KV from its prefill worker over the configured link
-(bytes / bandwidth + latency; on a CPU host, then the CPU its pull thread spends per KV token
-taking it in), then admits it into the blocks it reserved. `kill()` makes a
+(after the profile's `decode_admit_overhead_s`, the calls that start the pull; then bytes /
+bandwidth + latency; on a CPU host, then the CPU its pull thread spends per KV token taking it
+in), then admits it into the blocks it reserved. `kill()` makes a
 worker die as a Ray actor does: its calls raise WorkerLost and the router migrates the
 requests (a KV pull from a dead prefill worker migrates too, where a real decode worker would
 recompute the prompt itself).
@@ -208,10 +209,10 @@ class SimWorker:
             if first is None:
                 seq = self.engine.add(req)
             else:
-                start = asyncio.get_running_loop().time()
                 if self.admit_overhead_s:  # the calls and wake-ups before the pull (a latency, not work)
                     await asyncio.sleep(self.admit_overhead_s)
                     self._check()
+                start = asyncio.get_running_loop().time()
                 nbytes = await self.network.workers[prefill.worker_id].send_kv(rid)
                 if self.cpu is not None and self.kv_receive_cpu_per_token_s and nbytes:
                     # Its pull thread takes the KV in on the host's cores (not the engine's loop).
