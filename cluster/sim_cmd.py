@@ -269,8 +269,10 @@ def _calibrate(args: argparse.Namespace) -> int:
               f"step beside another worker's gets at most 1/{profile.corun_slowdown:.2f} of a core ({seen})")
         if seen.get("at_bound"):
             print(f"warning: corun_slowdown stopped at its bound {profile.corun_slowdown:g}: the hits beside streams "
-                  "grew more than the model explains (was the machine busy, or its speed drifting?); measure again "
-                  "on a quiet machine before trusting this profile's TTFT beside streams")
+                  f"grew {seen['measured_growth_s'] * 1000:.0f} ms, the model at most "
+                  f"{seen['simulated_growth_s'] * 1000:.0f} ms (a busy or drifting machine, or more contention than "
+                  "the ceiling model gives: it did so on a quiet Zen3 too); the profile's TTFT beside streams will "
+                  "be low")
     Path(args.out).write_text(profile.model_dump_json(indent=1))
     print(f"wrote {args.out}")
     return 0
