@@ -145,7 +145,7 @@ def run(out_dir: Path, quick: bool, parts: set[str]) -> tuple[dict, dict]:
                     if drift <= MAX_DRIFT:
                         break
                     before = after
-                drift, runs, before, after = min(tries, key=lambda t: t[0])
+                _, runs, before, after = min(tries, key=lambda t: t[0])
                 raw.setdefault("engine_drift", {})[fleet.name] = [t[0] for t in tries]
                 measured.update({(fleet.name, kind): r for kind, r in runs.items()})
                 profiles[fleet.name] = out_dir / f"{fleet.name}-profile.json"

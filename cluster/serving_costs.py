@@ -24,6 +24,9 @@ from sim.step_timer import StepTimer
 # Ray titles an actor's process after its class: the workers' (their steps are the engine fit's).
 WORKER_TITLES = ("ray::PrefillActor", "ray::DecodeActor", "ray::RankActor")
 DECODE_TITLE = "ray::DecodeActor"
+# The streamed answers' prompt and length (measure_serving's defaults), and so the context of
+# the decode batch a StepTimer beside them times.
+SHORT_LEN, DECODE_TOKENS = 4, 48
 
 
 class StreamRun(NamedTuple):
@@ -68,6 +71,12 @@ def _cpu_of(title: str) -> float:
     return sum(_titled_cpu_s(title).values())
 
 
+def step_timer(preset: str, dtype: str = "auto", threads: int | None = None) -> StepTimer:
+    """The engine measure_serving times beside the serve: `threads` as one served worker has,
+    its decode sequences at the streamed answers' mean context."""
+    return StepTimer(preset, dtype, context=SHORT_LEN + DECODE_TOKENS // 2, threads=threads)
+
+
 def _step_and_token_overheads(one: float, many: float, width: int) -> tuple[float, float]:
     """A served decode step's cost beyond the engine's, per step and per streamed token, from
     what one stream and `width` streams at once cost beyond it: the line through the two, and
@@ -91,7 +100,8 @@ def _serving_cpu_s(since: CpuSample, until: CpuSample) -> float:
 
 
 def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggregated: bool = False,
-                    requests: int = 8, short_len: int = 4, long_len: int = 516, decode_tokens: int = 48,
+                    requests: int = 8, short_len: int = SHORT_LEN, long_len: int = 516,
+                    decode_tokens: int = DECODE_TOKENS,
                     streams: int = 4, rounds: int = 2, idle_s: float = 3.0,
                     block_size: int = 16, corun_width: int = 2,
                     receive_requests: int = 3, timer: StepTimer | None = None) -> tuple[DeviceProfile, dict]:

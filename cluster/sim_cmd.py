@@ -215,7 +215,7 @@ def run(args: argparse.Namespace, _cfg) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from cluster.serving_costs import measure_serving
+    from cluster.serving_costs import measure_serving, step_timer
     from engine.config import CacheConfig
     from engine.presets import PRESETS
     from sim.calibrate import fit, measure
@@ -245,13 +245,8 @@ def _calibrate(args: argparse.Namespace) -> int:
               f"step overhead {profile.step_overhead_s * 1000:.2f} ms + {profile.seq_overhead_s * 1000:.2f} ms "
               f"per sampled sequence; {profile.host_cores:g} steps at once on this host's {cores} cores")
     shape = ModelShape.from_config(args.preset, PRESETS[args.preset].config)
-    timer = None
-    if args.url or args.disagg_url:
-        from sim.step_timer import StepTimer
-
-        # The engine's own steps, timed beside each served measurement (the machine drifts);
-        # --threads: what one served worker gets.
-        timer = StepTimer(args.preset, args.dtype, context=28, threads=args.threads)  # the streams' mean context
+    # The engine's own steps, timed beside each served measurement (the machine drifts).
+    timer = step_timer(args.preset, args.dtype, args.threads) if args.url or args.disagg_url else None
     if args.url:
         profile, seen = measure_serving(args.url, profile, shape, block_size=CacheConfig().block_size, timer=timer)
         print(f"serving path: {profile.request_overhead_s * 1000:.1f} ms per request + "

@@ -63,11 +63,10 @@ def test_sim_calibrate_measures_the_serving_path_of_brigade_serve(base_url: str)
     """`brigade sim calibrate --url` then `--disagg-url`'s measurement (cluster/serving_costs.py)
     against the real serve, kept short: every term it sets comes back measured, each within
     what it was measured from, and the disaggregated pass leaves the colocated terms alone."""
-    from cluster.serving_costs import measure_serving
+    from cluster.serving_costs import measure_serving, step_timer
     from engine.presets import PRESETS
     from sim.hardware import DeviceProfile
     from sim.shapes import ModelShape
-    from sim.step_timer import StepTimer
 
     shape = ModelShape.from_config("tiny", PRESETS["tiny"].config)
     engine_fit = DeviceProfile(name="this-machine", peak_flops=20e9, mem_bw=20e9, mem_bytes=8e9,
@@ -86,7 +85,7 @@ def test_sim_calibrate_measures_the_serving_path_of_brigade_serve(base_url: str)
     assert colocated.host_cores == 2.0 and colocated.decode_token_overhead_s is None
 
     # This pass measures against the engine's own steps timed in this process at the same moment.
-    timer = StepTimer("tiny", "float32", context=10, threads=1)
+    timer = step_timer("tiny", "float32", threads=1)
     disagg, seen = measure_serving(base_url, colocated, shape, disaggregated=True, timer=timer, **short)
     assert seen["decode_step_1_s"] > 0 and seen["second_token_gap_1_stream_s"] > 0
     assert 0 <= disagg.decode_admit_overhead_s < seen["second_token_gap_1_stream_s"]
