@@ -17,9 +17,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
+
+from cluster.steal import STOLEN, StealMeter
+
+T = TypeVar("T")
 
 ROOT = Path(__file__).resolve().parents[1]
 READY = re.compile(r"^Brigade serving .* at (http:\S+)/v1 ")
@@ -129,18 +135,43 @@ def bench(url: str, load: Load, slo: str, out_dir: Path, label: str, warmup: int
     return json.loads((out_dir / "result.json").read_text())["runs"]
 
 
+def least_stolen(measure: Callable[[], T], what: str, attempts: int = 3) -> tuple[T, float]:
+    """`measure()`, taken again while the hypervisor took more than STOLEN of the CPU time the
+    machine wanted during it (cluster/steal.py: its spells slow every step by tens of percent
+    for minutes), at most `attempts` times; the least stolen result and its steal share."""
+    best: tuple[T, float] | None = None
+    for attempt in range(1, attempts + 1):
+        meter = StealMeter()
+        result = measure()
+        share = meter.share()
+        if best is None or share < best[1]:
+            best = (result, share)
+        if share <= STOLEN:
+            break
+        print(f"  {what}: the hypervisor took {share:.0%} of the CPU time (steal)"
+              + ("; measuring again" if attempt < attempts else "; keeping the least stolen try"), flush=True)
+    return best
+
+
 def calibrate(model: str, threads: int, out: Path, attempts: int = 3) -> dict:
     """`brigade sim calibrate` here (a subprocess: torch threads are per process); its profile.
-    Tried again when the steps fit no roofline (a burst of other work during the timing)."""
+    Tried again when the steps fit no roofline (a burst of other work during the timing), and
+    while the hypervisor steals (least_stolen)."""
     cmd = [sys.executable, "-m", "cluster.cli", "sim", "calibrate", "--preset", model, "--threads", str(threads),
            "--out", str(out)]
-    for attempt in range(1, attempts + 1):
-        done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
-        if done.returncode == 0:
-            out.with_suffix(".fit.out").write_text(done.stdout)  # each step's time against the fit
-            return json.loads(out.read_text())
-        print(f"  calibrate attempt {attempt}: {done.stderr.strip().splitlines()[-1:]}", flush=True)
-    raise RuntimeError(f"brigade sim calibrate failed {attempts} times: {done.stderr.strip()[-300:]}")
+
+    def fit() -> tuple[str, str]:
+        for attempt in range(1, attempts + 1):
+            done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+            if done.returncode == 0:
+                return done.stdout, out.read_text()
+            print(f"  calibrate attempt {attempt}: {done.stderr.strip().splitlines()[-1:]}", flush=True)
+        raise RuntimeError(f"brigade sim calibrate failed {attempts} times: {done.stderr.strip()[-300:]}")
+
+    (stdout, profile), _ = least_stolen(fit, "the engine fit")
+    out.write_text(profile)
+    out.with_suffix(".fit.out").write_text(stdout)  # each step's time against the fit
+    return json.loads(profile)
 
 
 def engine_fit_around(before: dict, after: dict, serving: dict) -> dict:
@@ -180,15 +211,26 @@ def calibrate_serving(model: str, url: str, profile: Path, disaggregated: bool =
     `log` keeps what it printed (what it measured, before the fit)."""
     cmd = [sys.executable, "-m", "cluster.cli", "sim", "calibrate", "--preset", model, "--threads", "1",
            "--disagg-url" if disaggregated else "--url", url, "--serving-only", "--out", str(profile)]
-    done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+    start = profile.read_text()  # each try starts from the same profile (it rewrites it)
+
+    def measure() -> tuple[str, str]:
+        profile.write_text(start)
+        done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+        if log is not None:
+            log.write_text(done.stdout + done.stderr)
+        if done.returncode != 0:
+            raise RuntimeError(f"brigade sim calibrate --serving-only failed: {done.stderr.strip()[-300:]}")
+        return done.stdout + done.stderr, profile.read_text()
+
+    flag = "--disagg-url" if disaggregated else "--url"
+    (printed, measured), _ = least_stolen(measure, f"the serving path's costs ({flag})")
+    profile.write_text(measured)
     if log is not None:
-        log.write_text(done.stdout + done.stderr)
-    if done.returncode != 0:
-        raise RuntimeError(f"brigade sim calibrate --serving-only failed: {done.stderr.strip()[-300:]}")
-    for line in done.stdout.splitlines():  # a fit it does not trust, said where the run is watched
+        log.write_text(printed)
+    for line in printed.splitlines():  # a fit it does not trust, said where the run is watched
         if line.startswith("warning:"):
             print(f"  {line}", flush=True)
-    return json.loads(profile.read_text())
+    return json.loads(measured)
 
 
 def calibrate_here(model: str, num_blocks: int, profile_path: Path, log_dir: Path) -> dict:

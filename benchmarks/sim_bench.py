@@ -15,12 +15,12 @@ Simulated (parts scale, hits, loaded; about 3 minutes quiet):
 Runs 2 and 3 scale output lengths by OUTPUT_SCALE (TTFT and hits are decided on the prefill
 side; decode only adds simulation time).
 
-Measured (parts validate, advisor; benchmarks/_sim_measured.py; about 10 minutes on a quiet
-AVX-512 machine; the whole benchmark took 26 on a float32 Zen3, one fleet measured twice as
-the machine moved under it): real `brigade serve` fleets of
-the `bench` preset loaded by `brigade bench run`, beside simulated
-runs of the same fleets and requests on the profile `brigade sim calibrate` fits here:
-`sim_error_*` (serving_bench.sh's configurations and a 2-prefill routing run) and
+Measured (parts validate, advisor; benchmarks/_sim_measured.py; about 40 minutes on a
+float32 Zen3, each validated fleet measured 3 times and compared by medians, more when the
+machine moves under a try): real `brigade serve` fleets of the `bench` preset loaded by
+`brigade bench run`, beside simulated runs of the same fleets and requests on the profile
+`brigade sim calibrate` fits here: `sim_error_*` (serving_bench.sh's configurations and a
+2-prefill routing run) and
 `advisor_goodput_vs_best_measured` (`brigade plan`'s pick for a bursty load against a
 measured sweep of 4 fleets). Writes benchmarks/results/sim_bench_ttft.png (TTFT measured vs
 simulated) and the bench results under benchmarks/results/sim_bench.d/.

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import psutil
 
+from cluster.steal import StealMeter, cpu_times_s
 from loadtest.targets import TargetConfig, make_target
 from loadtest.types import Message, Prompt
 from sim.corun import HitScene, fit_corun_slowdown
@@ -61,9 +62,7 @@ def _cpu_sample() -> CpuSample:
     # The machine's busy time, not a sum over the processes alive now: a process that exits
     # between two samples (a Ray helper, a gRPC call's) would take its CPU out of the sum, and
     # an idle second measured that way once came out at -0.71 cores, which tripled stream_cpu_s.
-    t = psutil.cpu_times()
-    busy = t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
-    return CpuSample(busy, _titled_cpu_s(WORKER_TITLES))
+    return CpuSample(cpu_times_s()[0], _titled_cpu_s(WORKER_TITLES))
 
 
 def _cpu_of(title: str) -> float:
@@ -141,8 +140,11 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
     by tens of percent within minutes, and against the profile's fit, taken minutes earlier,
     the whole drift landed in the serving terms (a decode worker's 7 ms per token beyond the
     engine in one slow spell, 3 in the next calibration). Without it, against the profile's steps.
+    What was seen includes `steal_share`: the share of the CPU time the machine wanted that its
+    hypervisor took meanwhile (cluster/steal.py); above STOLEN the figures are the neighbours'.
     The profile with them set, and what was seen."""
     ids = iter(range(10**9))
+    stolen = StealMeter()
 
     async def one(target, prompt_len: int, max_tokens: int, i: int | None = None) -> tuple[float, float, int, float]:
         """(TTFT, the last token's time, tokens, the first token's time to the second's) of one answer."""
@@ -296,7 +298,7 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
             slowdown, fit_seen = fit_corun_slowdown(profile, scene, alone, beside)
             profile = profile.model_copy(update={"corun_slowdown": slowdown})
             seen |= {"hit_alone_s": alone, f"hit_beside_{corun_width}_s": beside} | fit_seen
-        return profile, seen
+        return profile, seen | {"steal_share": stolen.share()}
     slope = max(0.0, (over[long_len] - over[short_len]) / (long_len - short_len))
     update["request_overhead_per_token_s"] = slope
     update["request_overhead_s"] = max(0.0, over[short_len] - slope * short_len)
@@ -307,4 +309,4 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
     if profile.host_cores is None:  # an engine fit sets it (a core per torch thread of a step)
         update["host_cores"] = float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                      else os.cpu_count() or 1)
-    return profile.model_copy(update=update), seen
+    return profile.model_copy(update=update), seen | {"steal_share": stolen.share()}

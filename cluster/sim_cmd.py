@@ -214,8 +214,17 @@ def run(args: argparse.Namespace, _cfg) -> int:
     return 0
 
 
+def _warn_stolen(share: float, what: str) -> None:
+    from cluster.steal import STOLEN
+
+    if share > STOLEN:
+        print(f"warning: the hypervisor took {share:.0%} of the CPU time this machine wanted during {what} "
+              "(steal, /proc/stat): its timings are slow by about as much; calibrate again when it is quiet")
+
+
 def _calibrate(args: argparse.Namespace) -> int:
     from cluster.serving_costs import measure_serving, step_timer
+    from cluster.steal import StealMeter
     from engine.config import CacheConfig
     from engine.presets import PRESETS
     from sim.calibrate import fit, measure
@@ -230,7 +239,9 @@ def _calibrate(args: argparse.Namespace) -> int:
     else:
         import torch
 
+        stolen = StealMeter()
         shape, samples, dtype_bytes = measure(args.preset, threads=args.threads, dtype=args.dtype)
+        _warn_stolen(stolen.share(), "the engine's steps")
         # Each simulated step takes one of the host's slots: a core per torch thread of a step.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         threads = args.threads or torch.get_num_threads()
@@ -254,6 +265,7 @@ def _calibrate(args: argparse.Namespace) -> int:
               f"a served worker's step {profile.worker_step_overhead_s * 1000:.2f} ms + "
               f"{profile.token_overhead_s * 1000:.2f} ms per streamed token beyond the engine's, and "
               f"{profile.stream_cpu_s * 1000:.2f} ms of CPU beside it per streamed token ({seen})")
+        _warn_stolen(seen["steal_share"], "the colocated serve's measurement")
     if args.disagg_url:
         profile, seen = measure_serving(args.disagg_url, profile, shape, disaggregated=True, timer=timer)
         print(f"disaggregated: {profile.handoff_overhead_s * 1000:.1f} ms more per request; the decode worker's "
@@ -266,8 +278,8 @@ def _calibrate(args: argparse.Namespace) -> int:
             print(f"warning: corun_slowdown stopped at its bound {profile.corun_slowdown:g}: the hits beside streams "
                   f"grew {seen['measured_growth_s'] * 1000:.0f} ms, the model at most "
                   f"{seen['simulated_growth_s'] * 1000:.0f} ms (a busy or drifting machine, or more contention than "
-                  "the ceiling model gives: it did so on a quiet Zen3 too); the profile's TTFT beside streams will "
-                  "be low")
+                  "the ceiling model gives); the profile's TTFT beside streams will be low")
+        _warn_stolen(seen["steal_share"], "the disaggregated serve's measurement")
     Path(args.out).write_text(profile.model_dump_json(indent=1))
     print(f"wrote {args.out}")
     return 0

@@ -10,17 +10,21 @@ work) at min(1, cores / jobs running) until its work is done; a job that joins o
 changes the rate of all the others, so their ends are re-planned then.
 
 A fair share is not all a step loses there: a step computing prompt tokens while another
-worker's step runs waits on the run queue far longer than the serving path's CPU time
+worker's step decodes waits on the run queue far longer than the serving path's CPU time
 explains (measured with /proc/thread-self/schedstat on the 2-core machine here, one prefill
 worker beside one decoding worker: a hit's prefill step of 50 ms of CPU waited 15-27 ms, the
-decode steps beside it 2-4 ms; the door's, the router's and Ray's many short-lived threads
-preempt it; a hit sent as another one starts decoding, with nothing streaming yet, lost
-almost nothing). So while the serving path's streaming work is pending and another worker's
-step runs, a prompt step gets at most 1 / `corun_slowdown` of a core (1: no limit), and less
-when its fair share is less: a full machine's scheduler is fair over a step's length, and the
-preempting threads' CPU is already a job here (the streaming's), so the ceiling is not
-applied on top of the share. `brigade sim calibrate --disagg-url` fits it
-(cluster/serving_costs.py).
+decode steps beside it 2-4 ms): every decode step's tokens wake the actor's, Ray's, the
+router's and the door's short-lived threads, which preempt it. So while another step that
+decodes runs, a prompt step gets at most 1 / `corun_slowdown` of a core (1: no limit), and
+less when its fair share is less: a full machine's scheduler is fair over a step's length, and
+the preempting threads' CPU is already a job here (the streaming's), so the ceiling is not
+applied on top of the share. Two prompt steps side by side (cold prompts on two workers) wake
+no such threads and are not slowed. An earlier form applied the ceiling only while streaming
+work was pending; it could not reach the growth measured beside 2 streams (its fit stopped at
+its bound in 4 of 5 calibrations; this one's fits came to 1.6-2.0 in 5 of 5) and gave a hit
+sent as another hit starts decoding less than half of the 18 ms it lost
+(benchmarks/sim_micro.py's hit_after_hit). `brigade sim calibrate
+--disagg-url` fits it (cluster/serving_costs.py).
 """
 from __future__ import annotations
 
@@ -33,7 +37,8 @@ class _Job:
     left_s: float  # of one core's work
     done: asyncio.Future
     step: bool = False  # a worker's engine step (not a request's way in or out)
-    prompt: bool = False  # a step that computes prompt tokens (corun_slowdown applies)
+    prompt: bool = False  # a step that computes prompt tokens (corun_slowdown applies to it)
+    decode: bool = False  # a step that samples tokens of running answers (which stream out)
 
 
 class CpuHost:
@@ -59,10 +64,9 @@ class CpuHost:
 
     def _rate(self, job: _Job) -> float:
         """`job`'s own rate: the fair share, at most 1 / corun_slowdown for a prompt step beside
-        another step while streaming work is pending."""
+        another step that decodes."""
         share = self.rate()
-        streaming = self._background is not None and self._background in self._jobs
-        if job.prompt and streaming and sum(j.step for j in self._jobs) > 1:
+        if job.prompt and any(j.decode for j in self._jobs if j is not job):
             return min(share, 1.0 / self.corun_slowdown)
         return share
 
@@ -80,15 +84,15 @@ class CpuHost:
         self._background.left_s += cpu_s
         self._plan(loop)
 
-    async def run(self, cpu_s: float, step: bool = False, prompt: bool = False) -> None:
+    async def run(self, cpu_s: float, step: bool = False, prompt: bool = False, decode: bool = False) -> None:
         """Take `cpu_s` seconds of one core's work, at this host's fair share (`step`: a
         worker's engine step; `prompt`: one that computes prompt tokens, which corun_slowdown
-        slows beside another worker's step while streaming work is pending)."""
+        slows beside another worker's step that `decode`s: samples tokens of running answers)."""
         if cpu_s <= 0:
             return
         loop = asyncio.get_running_loop()
         self._advance(loop.time())
-        job = _Job(cpu_s, loop.create_future(), step, step and prompt)
+        job = _Job(cpu_s, loop.create_future(), step, step and prompt, step and decode)
         self._jobs.append(job)
         self._plan(loop)
         try:

@@ -97,8 +97,8 @@ class SimWorker:
             else:
                 repeats = 1
                 if self.cpu is not None:
-                    prompt = any(s.seq.num_computed < s.seq.num_prompt_tokens for s in batch)
-                    await self.cpu.run(seconds, step=True, prompt=prompt)
+                    prompt = [s.seq.num_computed < s.seq.num_prompt_tokens for s in batch]
+                    await self.cpu.run(seconds, step=True, prompt=any(prompt), decode=not all(prompt))
                 else:
                     await asyncio.sleep(seconds)
                 self.busy_s += loop.time() - now

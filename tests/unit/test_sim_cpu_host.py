@@ -82,11 +82,11 @@ def test_a_host_needs_cores() -> None:
         CpuHost(0)
 
 
-def test_corun_slowdown_slows_a_prompt_step_beside_another_step_while_tokens_stream() -> None:
+def test_corun_slowdown_slows_a_prompt_step_beside_a_step_that_decodes() -> None:
     host = CpuHost(2, corun_slowdown=2.0)
 
-    async def job(cpu_s: float, prompt: bool) -> float:
-        await host.run(cpu_s, step=True, prompt=prompt)
+    async def job(cpu_s: float, prompt: bool, decode: bool = False) -> float:
+        await host.run(cpu_s, step=True, prompt=prompt, decode=decode)
         return asyncio.get_running_loop().time()
 
     async def main():
@@ -95,24 +95,28 @@ def test_corun_slowdown_slows_a_prompt_step_beside_another_step_while_tokens_str
         beside_streaming = await job(1.0, True)
         # nor is a request's way in (work that is not a worker's step)
         beside_request, _ = await asyncio.gather(job(1.0, True), host.run(0.5))
-        # another worker's step with nothing streaming (a hit as another starts decoding)
-        quiet_pair = await asyncio.gather(job(1.0, True), job(1.0, False))
-        # Another step while tokens stream: 3 jobs, a fair share of 2/3 each, but the prompt
-        # step gets 1/2 until the decode and the streaming end (1.5 s), then the rest alone.
+        # nor another prompt step (cold prompts on two workers): a core each
+        two_prompts = await asyncio.gather(job(1.0, True), job(1.0, True))
+        # Beside a decoding step (a hit as another starts decoding): the prompt step gets 1/2 of
+        # a core while the decode step runs (1 s), then the rest alone; the decode is not slowed.
+        pair = await asyncio.gather(job(1.0, True), job(1.0, False, decode=True))
+        # Beside one while tokens stream: 3 jobs, a fair share of 2/3 each, but the prompt step
+        # gets 1/2 until the decode and the streaming end (1.5 s), then the rest alone.
         host.spend(1.0)
-        pair = await asyncio.gather(job(1.0, True), job(1.0, False))
+        streaming_pair = await asyncio.gather(job(1.0, True), job(1.0, False, decode=True))
         # On a full host (4 jobs, 2 cores) the fair share (0.5) is already at the ceiling
         # (1 / 2): the prompt step is not slowed twice, all four end together 2 s later.
         host.spend(1.0)
-        full = await asyncio.gather(job(1.0, True), job(1.0, False), host.run(1.0))
-        return alone, beside_streaming, beside_request, quiet_pair, pair, full[:2]
+        full = await asyncio.gather(job(1.0, True), job(1.0, False, decode=True), host.run(1.0))
+        return alone, beside_streaming, beside_request, two_prompts, pair, streaming_pair, full[:2]
 
-    alone, beside_streaming, beside_request, quiet_pair, (prompt, decode), full = run_virtual(main())
+    alone, beside_streaming, beside_request, two_prompts, pair, (prompt, decode), full = run_virtual(main())
     assert alone == pytest.approx(1.0)
     assert beside_streaming == pytest.approx(2.0)  # 1 s, no corun slowdown
     assert beside_request == pytest.approx(3.0)
-    assert quiet_pair == pytest.approx([4.0, 4.0])
-    assert decode == pytest.approx(5.5) and prompt == pytest.approx(5.75)
-    assert full == pytest.approx([7.75, 7.75])
+    assert two_prompts == pytest.approx([4.0, 4.0])
+    assert pair == pytest.approx([5.5, 5.0])
+    assert decode == pytest.approx(7.0) and prompt == pytest.approx(7.25)
+    assert full == pytest.approx([9.25, 9.25])
     with pytest.raises(ValueError, match="slowdown"):
         CpuHost(2, corun_slowdown=0.5)

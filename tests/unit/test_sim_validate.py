@@ -87,3 +87,15 @@ def test_engine_drift_is_the_largest_relative_move_of_a_validated_runs_steps() -
     assert engine_drift("bench", fit, fit) == 0
     assert engine_drift("bench", fit, slower) == pytest.approx(0.3)
     assert engine_drift("bench", slower, fit) == pytest.approx(1 - 1 / 1.3)  # relative to the first
+
+
+def test_a_fleets_tries_are_compared_by_each_figures_median() -> None:
+    from _sim_measured import _median_figures
+
+    tries = [{"p50_ttft_ms": 367.0, "mean_tpot_ms": 140.4, "completed": 32},
+             {"p50_ttft_ms": 224.0, "mean_tpot_ms": 80.2, "completed": 32},
+             {"p50_ttft_ms": 162.0, "mean_tpot_ms": 48.8, "completed": 31, "p90_ttft_ms": None}]
+    median = _median_figures(tries)
+    assert median["p50_ttft_ms"] == 224.0 and median["mean_tpot_ms"] == 80.2 and median["completed"] == 32
+    assert median["p90_ttft_ms"] is None  # no try has it
+    assert errors(median, {**median, "mean_tpot_ms": 88.22})["tpot_mean"] == pytest.approx(0.1)
