@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import statistics
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 from _sim_validate import (
@@ -75,6 +76,7 @@ ROUTING_LOAD = Load(rates=(2.0,), num_groups=4, prompts_per_group=8, system_prom
 MAX_DRIFT = 0.2
 REPEATS = 3
 MAX_TRIES = 4
+TRY_SEED_STRIDE = 1000  # a try's loads draw from seed + this * (try - 1): prompts no earlier try cached
 ADVISOR_SLO = "ttft=1500ms,tpot=150ms"
 ADVISOR_LOAD = Load(rates=(3.0,), num_groups=2, prompts_per_group=12, system_prompt_len=512, question_len=256,
                     output_len=32, burstiness=0.25, seed=200)
@@ -132,7 +134,8 @@ def run(out_dir: Path, quick: bool, parts: set[str]) -> tuple[dict, dict]:
     # (fleet, kind) -> each try's runs (one per rate); a validated fleet is measured REPEATS times
     measured: dict[tuple[str, str], list[list[dict]]] = {}
     raw["failed_fleets"] = {}
-    profiles: dict[str, list[Path]] = {}  # a validated fleet's kept tries' profiles: the engine fitted around each
+    # a validated fleet's kept tries: the profile of the engine fitted around each, its seed offset
+    profiles: dict[str, list[tuple[Path, int]]] = {}
     for fleet, todo in jobs.items():
         print(f"  brigade serve {fleet.name} ({' '.join(fleet.serve_flags())})", flush=True)
         validated = any(kind == "validate" for kind, _, _ in todo)
@@ -151,15 +154,18 @@ def run(out_dir: Path, quick: bool, parts: set[str]) -> tuple[dict, dict]:
                 before = calibrate(MODEL, 1, out_dir / f"{fleet.name}-before.json")
                 tries = []
                 for attempt in range(1, max_tries + 1):
+                    # Each try its own prompts: the serve's prefix cache still holds the last try's.
+                    offset = TRY_SEED_STRIDE * (attempt - 1)
                     stolen = StealMeter()
-                    runs = {kind: bench(url, load, slo, out_dir / f"{fleet.name}-{kind}-{attempt}", fleet.name)
+                    runs = {kind: bench(url, replace(load, seed=load.seed + offset), slo,
+                                        out_dir / f"{fleet.name}-{kind}-{attempt}", fleet.name)
                             for kind, load, slo in todo}
                     share = stolen.share()
                     after = calibrate(MODEL, 1, out_dir / f"{fleet.name}-after-{attempt}.json")
                     drift = engine_drift(MODEL, before, after)
                     fitted = out_dir / f"{fleet.name}-profile-{attempt}.json"
                     fitted.write_text(json.dumps(engine_fit_around(before, after, profile), indent=1))
-                    tries.append((max(drift / MAX_DRIFT, share / STOLEN), drift, share, runs, fitted))
+                    tries.append((max(drift / MAX_DRIFT, share / STOLEN), drift, share, runs, fitted, offset))
                     print(f"  {fleet.name} try {attempt}: the engine's steps moved {drift:.0%} during its runs, "
                           f"the hypervisor took {share:.0%} of the CPU time", flush=True)
                     if sum(t[0] <= 1 for t in tries) >= repeats:
@@ -172,7 +178,7 @@ def run(out_dir: Path, quick: bool, parts: set[str]) -> tuple[dict, dict]:
                 raw.setdefault("kept_tries", {})[fleet.name] = [i + 1 for i in steadiest]
                 for kind, _, _ in todo:
                     measured[(fleet.name, kind)] = [t[3][kind] for t in kept]
-                profiles[fleet.name] = [t[4] for t in kept]
+                profiles[fleet.name] = [(t[4], t[5]) for t in kept]
         except (RuntimeError, subprocess.CalledProcessError) as exc:
             raw["failed_fleets"][fleet.name] = str(exc)
             print(f"  {fleet.name} failed: {exc}", flush=True)
@@ -180,7 +186,7 @@ def run(out_dir: Path, quick: bool, parts: set[str]) -> tuple[dict, dict]:
     ratios["advisor_goodput_vs_best_measured"] = None
     if "validate" in parts:
         runs = compare(validation, measured, profiles)
-        raw["fleet_profiles"] = {name: [json.loads(p.read_text()) for p in paths] for name, paths in profiles.items()}
+        raw["fleet_profiles"] = {name: [json.loads(p.read_text()) for p, _ in kept] for name, kept in profiles.items()}
         for key in ratios:
             if key.startswith("sim_error_"):
                 vals = [r["errors"][key.removeprefix("sim_error_")] for r in runs]
@@ -200,17 +206,19 @@ def run(out_dir: Path, quick: bool, parts: set[str]) -> tuple[dict, dict]:
     return ratios, raw
 
 
-def compare(validation, measured: dict, profiles: dict[str, list[Path]]) -> list[dict]:
-    """Each validated run (fleet, rate): every kept try simulated on its own profile, and the
-    errors of the simulated figures' medians over the tries against the measured ones'."""
+def compare(validation, measured: dict, profiles: dict[str, list[tuple[Path, int]]]) -> list[dict]:
+    """Each validated run (fleet, rate): every kept try simulated on its own profile and with its
+    own prompts (the load's seed + the try's offset), and the errors of the simulated figures'
+    medians over the tries against the measured ones'."""
     from loadtest.metrics import parse_slo
 
     runs = []
     for fleet, load in validation:
         if (fleet.name, "validate") not in measured or fleet.name not in profiles:
             continue
-        tries = [(m, simulate_load(fleet, load, MODEL, p, NUM_BLOCKS, parse_slo(SLO)))
-                 for m, p in zip(measured[(fleet.name, "validate")], profiles[fleet.name])]
+        tries = [(m, simulate_load(fleet, replace(load, seed=load.seed + offset), MODEL, p, NUM_BLOCKS,
+                                   parse_slo(SLO)))
+                 for m, (p, offset) in zip(measured[(fleet.name, "validate")], profiles[fleet.name])]
         for i, rate in enumerate(load.rates):
             ms, ss = [m[i] for m, _ in tries], [s[i] for _, s in tries]
             m_med, s_med = _median_figures(ms), _median_figures(ss)

@@ -144,12 +144,15 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
     hypervisor took meanwhile (cluster/steal.py); above STOLEN the figures are the neighbours'.
     The profile with them set, and what was seen."""
     ids = iter(range(10**9))
+    # Every prompt's first token: this call's own, so a call measured again on the same serve
+    # (a stolen try) finds none of its "distinct" prompts cached by the last one.
+    first_token = 101 + time.monotonic_ns() % 997
     stolen = StealMeter()
 
     async def one(target, prompt_len: int, max_tokens: int, i: int | None = None) -> tuple[float, float, int, float]:
         """(TTFT, the last token's time, tokens, the first token's time to the second's) of one answer."""
         i = next(ids) if i is None else i  # the same i: the same prompt (a prefix hit after the first)
-        tokens = [101 + (7 * i + 13 * j) % 997 for j in range(prompt_len)]
+        tokens = [first_token] + [101 + (7 * i + 13 * j) % 997 for j in range(1, prompt_len)]
         prompt = Prompt(f"calibrate-{i}", "calibrate", (Message("user", tokens),), max_tokens)
         sent = time.perf_counter()
         chunks = [c async for c in target.stream(prompt) if c.num_tokens]
