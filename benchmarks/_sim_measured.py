@@ -41,6 +41,7 @@ import statistics
 import subprocess
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 from _sim_validate import (
     STOLEN,
@@ -165,20 +166,20 @@ def run(out_dir: Path, quick: bool, parts: set[str]) -> tuple[dict, dict]:
                     drift = engine_drift(MODEL, before, after)
                     fitted = out_dir / f"{fleet.name}-profile-{attempt}.json"
                     fitted.write_text(json.dumps(engine_fit_around(before, after, profile), indent=1))
-                    tries.append((max(drift / MAX_DRIFT, share / STOLEN), drift, share, runs, fitted, offset))
+                    tries.append(Try(max(drift / MAX_DRIFT, share / STOLEN), drift, share, runs, fitted, offset))
                     print(f"  {fleet.name} try {attempt}: the engine's steps moved {drift:.0%} during its runs, "
                           f"the hypervisor took {share:.0%} of the CPU time", flush=True)
-                    if sum(t[0] <= 1 for t in tries) >= repeats:
+                    if sum(t.score <= 1 for t in tries) >= repeats:
                         break
                     before = after
-                steadiest = sorted(range(len(tries)), key=lambda i: tries[i][0])[:repeats]
+                steadiest = sorted(range(len(tries)), key=lambda i: tries[i].score)[:repeats]
                 kept = [tries[i] for i in steadiest]
-                raw.setdefault("engine_drift", {})[fleet.name] = [t[1] for t in tries]
-                raw.setdefault("steal_share", {})[fleet.name] = [t[2] for t in tries]
+                raw.setdefault("engine_drift", {})[fleet.name] = [t.drift for t in tries]
+                raw.setdefault("steal_share", {})[fleet.name] = [t.steal for t in tries]
                 raw.setdefault("kept_tries", {})[fleet.name] = [i + 1 for i in steadiest]
                 for kind, _, _ in todo:
-                    measured[(fleet.name, kind)] = [t[3][kind] for t in kept]
-                profiles[fleet.name] = [(t[4], t[5]) for t in kept]
+                    measured[(fleet.name, kind)] = [t.runs[kind] for t in kept]
+                profiles[fleet.name] = [(t.profile, t.seed_offset) for t in kept]
         except (RuntimeError, subprocess.CalledProcessError) as exc:
             raw["failed_fleets"][fleet.name] = str(exc)
             print(f"  {fleet.name} failed: {exc}", flush=True)
@@ -204,6 +205,17 @@ def run(out_dir: Path, quick: bool, parts: set[str]) -> tuple[dict, dict]:
         raw["advisor_measured_goodput"] = goodput
         raw["advisor_recommended"] = recommended.name if recommended else None
     return ratios, raw
+
+
+class Try(NamedTuple):
+    """One measurement of a validated fleet's loads."""
+
+    score: float  # max(drift / MAX_DRIFT, steal / STOLEN): <= 1 is steady
+    drift: float  # how far the engine fits before and after it differ
+    steal: float  # the hypervisor's share of the CPU time meanwhile
+    runs: dict[str, list[dict]]  # kind -> bench's runs, one per rate
+    profile: Path  # the profile with the engine fitted around it
+    seed_offset: int  # its loads' seeds are the loads' own + this
 
 
 def compare(validation, measured: dict, profiles: dict[str, list[tuple[Path, int]]]) -> list[dict]:

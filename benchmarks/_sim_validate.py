@@ -216,9 +216,9 @@ def calibrate_serving(model: str, url: str, profile: Path, disaggregated: bool =
     def measure() -> tuple[str, str]:
         profile.write_text(start)
         done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
-        if log is not None:
-            log.write_text(done.stdout + done.stderr)
         if done.returncode != 0:
+            if log is not None:
+                log.write_text(done.stdout + done.stderr)
             raise RuntimeError(f"brigade sim calibrate --serving-only failed: {done.stderr.strip()[-300:]}")
         return done.stdout + done.stderr, profile.read_text()
 
