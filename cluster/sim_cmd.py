@@ -31,7 +31,8 @@ Candidates (disaggregated P:D splits and colocated fleets, over --tp-sizes, unde
 --goodput of the requests wins, and among them the one with the most requests meeting it.
 Arrivals keep their process (--burstiness < 1: bursty), so queueing shows: each candidate's
 queue-time share of TTFT is printed, and the burst (the busiest 10 s window's rate) beside
-the mean rate.
+the mean rate. When none up to --max-gpus meets it, the closest (most requests meeting the
+SLO, cheapest of equals) is named, and the command exits 1.
 
 examples:
   brigade plan --model Qwen3-32B --device H200 --slo ttft=2s,tpot=50ms --workload random \\
@@ -307,6 +308,9 @@ def _plan(args: argparse.Namespace, slo: dict, work: list) -> int:
     if best is None:
         print(f"no configuration up to {args.max_gpus} GPUs meets the SLO for {args.goodput:.0%} of requests; "
               "raise --max-gpus or relax --slo")
+        near = result["closest"]
+        if near is not None:
+            print(f"closest: {_name(near)} on {near['gpus']} GPUs ({near['slo_met']:.1%} of requests meet the SLO)")
     else:
         print(f"recommended: {_name(best)} on {best['gpus']} GPUs ({best['slo_met']:.1%} of requests meet the SLO)")
     if args.json:

@@ -77,7 +77,9 @@ def evaluate(cfg: PlanConfig, fleet: FleetConfig, sessions: list[SimSession]) ->
 
 def plan(cfg: PlanConfig, sessions: list[SimSession], on_try=None) -> dict:
     """Simulate candidates from the cheapest up; the first size with a candidate meeting the
-    SLO decides, and its best goodput among them is recommended."""
+    SLO decides, and its best goodput among them is recommended. When none meets it, `closest`
+    is the candidate whose requests meet it most often (the cheapest of equals): what to deploy
+    within the budget, and how far it falls short (None when one meets)."""
     tried: list[dict] = []
     best, size = None, None
     for gpus, fields in candidates(cfg):
@@ -94,7 +96,9 @@ def plan(cfg: PlanConfig, sessions: list[SimSession], on_try=None) -> dict:
                 if best is None or result["slo_met"] > best["slo_met"]:
                     best = result
     arrivals = sorted(s.arrival_s for s in sessions)
-    return {"recommended": best, "tried": tried, "slo": {k: v * 1000 for k, v in cfg.slo.items()},
+    # `tried` runs cheapest first and max() keeps the first of equals
+    closest = max(tried, key=lambda r: r["slo_met"]) if best is None and tried else None
+    return {"recommended": best, "closest": closest, "tried": tried, "slo": {k: v * 1000 for k, v in cfg.slo.items()},
             "goodput": cfg.goodput, "burst": _burst(arrivals)}
 
 

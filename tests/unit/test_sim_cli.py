@@ -39,6 +39,17 @@ def test_plan_recommends_a_configuration_meeting_the_slo(tmp_path: Path, capsys:
     assert "recommended:" in capsys.readouterr().out
 
 
+def test_plan_names_the_closest_configuration_when_none_meets_the_slo(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "plan.json"
+    code = main(["plan", *FLEET, *WORK, "--slo", "ttft=1ms", "--max-gpus", "2", "--tp-sizes", "1",
+                 "--policies", "kv_aware", "--json", str(out)])
+    result = json.loads(out.read_text())
+    printed = capsys.readouterr().out
+    assert code == 1 and result["recommended"] is None and result["closest"] is not None
+    assert "no configuration up to 2 GPUs meets the SLO" in printed and "closest:" in printed
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["sim", "run", "--device", "B300"], "unknown device 'B300'"),
     (["sim", "run", "--workload", "trace"], "--trace-file"),

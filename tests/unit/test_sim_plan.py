@@ -24,6 +24,18 @@ def test_bursty_arrivals_at_the_same_mean_rate_need_a_bigger_fleet() -> None:
     assert bursty["burst"]["peak_rate"] > bursty["burst"]["mean_rate"]
 
 
+def test_an_unreachable_slo_names_the_closest_fleet() -> None:
+    # 1 ms TTFT: no fleet meets it; the answer is the cheapest of those meeting it most often
+    cfg = SEARCH.model_copy(update={"slo": {"ttft": 0.001, "tpot": 10.0}, "max_gpus": 2})
+    result = plan(cfg, from_loadtest(WORK, rate=4.0, arrival="fixed"))
+    assert result["recommended"] is None and not any(t["meets"] for t in result["tried"])
+    near = result["closest"]
+    assert near["slo_met"] == max(t["slo_met"] for t in result["tried"])
+    assert near["gpus"] == min(t["gpus"] for t in result["tried"] if t["slo_met"] == near["slo_met"])
+    met = plan(SEARCH, from_loadtest(WORK, rate=4.0, arrival="fixed"))
+    assert met["recommended"] is not None and met["closest"] is None
+
+
 def test_candidates_come_cheapest_first_and_fit_the_device() -> None:
     cfg = PlanConfig(base=FleetConfig(model="Llama-3-70B", device="H100-SXM"), slo={"ttft": 1.0}, max_gpus=4,
                      tp_sizes=(1, 2, 4))
