@@ -2,7 +2,7 @@
 steps, measured on a running `brigade serve` with loadtest's HTTP target (so it lives at the
 edge: sim/ imports only engine and router), into a device profile's request_overhead_s,
 request_overhead_per_token_s, token_overhead_s, stream_cpu_s (with host_cores),
-handoff_overhead_s, kv_receive_cpu_per_token_s and corun_slowdown."""
+handoff_overhead_s, kv_receive_cpu_per_token_s, corun_wait_s and corun_slowdown."""
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +16,7 @@ import psutil
 from cluster.steal import StealMeter, cpu_times_s
 from loadtest.targets import TargetConfig, make_target
 from loadtest.types import Message, Prompt
-from sim.corun import HitScene, fit_corun_slowdown
+from sim.corun import HitScene, HitTtfts, fit_corun
 from sim.cost import Roofline, StepWork
 from sim.hardware import DeviceProfile
 from sim.shapes import ModelShape
@@ -102,7 +102,7 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
                     requests: int = 8, short_len: int = SHORT_LEN, long_len: int = 516,
                     decode_tokens: int = DECODE_TOKENS,
                     streams: int = 4, rounds: int = 2, idle_s: float = 3.0,
-                    block_size: int = 16, corun_width: int = 2,
+                    block_size: int = 16, corun_width: int = 1,
                     receive_requests: int = 3, timer: StepTimer | None = None) -> tuple[DeviceProfile, dict]:
     """The serving path's costs on a running `brigade serve` at `url` (of the preset the profile
     was fitted on), through loadtest's HTTP target as `brigade bench` sends requests; distinct
@@ -130,10 +130,14 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
     worker, from the same streams; on a CPU host kv_receive_cpu_per_token_s: the decode
     worker's CPU per request of `receive_requests` distinct `long_len`-token prompts and of
     `short_len`-token ones (2 tokens each: every prompt's KV crosses), less its idle rate over
-    each request's time, as a line through the two; and corun_slowdown: the median TTFT of
-    prefix hits (a `long_len`-token prompt, 2 tokens each) sent one at a time alone and
-    beside `corun_width` long answers, in `rounds` interleaved rounds, whose growth the
-    simulator is fitted to (sim/corun.py).
+    each request's time, as a line through the two; and corun_wait_s and corun_slowdown: the
+    median TTFTs of prefix hits (2 tokens each) sent one at a time alone and beside
+    `corun_width` long answers, in `rounds` interleaved rounds, alternately of a
+    `long_len`-token prompt (its full blocks cached) and of those blocks with more new tokens
+    of their own, whose growths the simulator is fitted to (sim/corun.py). One answer, not
+    two: beside two, sharing the cores already gave the long hits most of their measured
+    growth in the simulation, and the fit put the rest in a fixed 25 ms wait and no ceiling,
+    which predicted the validation's 1P+1D tries worse than the one-answer fit (10 ms, 1.35).
     `timer` (sim/step_timer.py, the engine of the same preset and threads as a served worker)
     times the engine's own step in this process just before each streaming round and each TTFT
     measurement, and what the serve adds is measured against that: this machine's speed drifts
@@ -149,10 +153,12 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
     first_token = 101 + time.monotonic_ns() % 997
     stolen = StealMeter()
 
-    async def one(target, prompt_len: int, max_tokens: int, i: int | None = None) -> tuple[float, float, int, float]:
-        """(TTFT, the last token's time, tokens, the first token's time to the second's) of one answer."""
+    async def one(target, prompt_len: int, max_tokens: int, i: int | None = None,
+                  prompt: list[int] | None = None) -> tuple[float, float, int, float]:
+        """(TTFT, the last token's time, tokens, the first token's time to the second's) of one
+        answer (to `prompt`'s tokens where given)."""
         i = next(ids) if i is None else i  # the same i: the same prompt (a prefix hit after the first)
-        tokens = [first_token] + [101 + (7 * i + 13 * j) % 997 for j in range(1, prompt_len)]
+        tokens = prompt or [first_token] + [101 + (7 * i + 13 * j) % 997 for j in range(1, prompt_len)]
         prompt = Prompt(f"calibrate-{i}", "calibrate", (Message("user", tokens),), max_tokens)
         sent = time.perf_counter()
         chunks = [c async for c in target.stream(prompt) if c.num_tokens]
@@ -180,19 +186,22 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
         finally:
             await t.aclose()
 
-    async def hits_beside(width: int, scene: HitScene) -> list[float]:
-        """TTFTs of the scene's prefix hits, sent one at a time while `width` answers stream."""
+    async def hits_beside(width: int, scene: HitScene) -> tuple[list[float], list[float]]:
+        """TTFTs of the scene's prefix hits (short, long), sent one at a time while `width`
+        answers stream."""
         t = target()
-        same = next(ids)
+        salt = next(ids)  # this scene's own prompts: none cached by an earlier one
+        hit = [first_token + salt % 97] + scene.hit_prompt()[1:]
         try:
             for _ in range(2):  # warm the path up and cache the prompt
-                await one(t, scene.hit_len, 2, same)
+                await one(t, 0, 2, prompt=hit)
             streams = [asyncio.create_task(one(t, scene.short_len, scene.stream_len)) for _ in range(width)]
             await asyncio.sleep(scene.settle_s)  # past their prefills: decoding
-            ttfts = []
-            for _ in range(scene.hits):
+            ttfts: tuple[list[float], list[float]] = ([], [])
+            for k in range(scene.hits):
                 sent = time.perf_counter()
-                ttfts.append((await one(t, scene.hit_len, 2, same))[0])
+                prompt = scene.long_prompt(hit, k, salt) if k % 2 else hit
+                ttfts[k % 2].append((await one(t, 0, 2, prompt=prompt))[0])
                 await asyncio.sleep(max(0.0, scene.spacing_s - (time.perf_counter() - sent)))
             for task in streams:  # closes their connections: the router aborts them
                 task.cancel()
@@ -293,14 +302,16 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
             seen |= {"decode_idle_cpu_rate": decode_idle_rate} | {
                 f"decode_cpu_per_request_{n}_s": cpu for n, (cpu, _) in per_request.items()}
             scene = HitScene(shape.name, corun_width, hit_len=long_len, short_len=short_len, block_size=block_size)
-            ttfts: dict[int, list[float]] = {0: [], corun_width: []}
+            ttfts = {width: ([], []) for width in (0, corun_width)}
             for _ in range(rounds):  # interleaved: the machine's speed drifts
-                for width in ttfts:
-                    ttfts[width] += asyncio.run(hits_beside(width, scene))
-            alone, beside = (statistics.median(v) for v in ttfts.values())
-            slowdown, fit_seen = fit_corun_slowdown(profile, scene, alone, beside)
-            profile = profile.model_copy(update={"corun_slowdown": slowdown})
-            seen |= {"hit_alone_s": alone, f"hit_beside_{corun_width}_s": beside} | fit_seen
+                for width, (short, long) in ttfts.items():
+                    got = asyncio.run(hits_beside(width, scene))
+                    short += got[0]
+                    long += got[1]
+            alone, beside = (HitTtfts(*map(statistics.median, v)) for v in ttfts.values())
+            profile, fit_seen = fit_corun(profile, scene, alone, beside)
+            seen |= {"hit_alone_s": alone.short_s, f"hit_beside_{corun_width}_s": beside.short_s,
+                     "long_hit_alone_s": alone.long_s, f"long_hit_beside_{corun_width}_s": beside.long_s} | fit_seen
         return profile, seen | {"steal_share": stolen.share()}
     slope = max(0.0, (over[long_len] - over[short_len]) / (long_len - short_len))
     update["request_overhead_per_token_s"] = slope

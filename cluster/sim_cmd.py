@@ -116,7 +116,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     cal.add_argument("--disagg-url", help="a running disaggregated `brigade serve` of the same preset: measure what "
                                           "its requests cost beyond --url's (handoff_overhead_s) and, on a CPU "
                                           "host, how much a prompt step slows beside another worker's "
-                                          "(corun_slowdown, from prefix hits alone and beside 2 streams)")
+                                          "(corun_wait_s and corun_slowdown, from prefix hits of two lengths "
+                                          "alone and beside a stream)")
     cal.add_argument("--serving-only", action="store_true",
                      help="keep the engine fit already in --out, measure only the serving path (--url, --disagg-url)")
     cal.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
@@ -274,12 +275,15 @@ def _calibrate(args: argparse.Namespace) -> int:
               f"{profile.decode_token_overhead_s * 1000:.2f} ms per streamed token beyond the engine's, "
               f"{profile.kv_receive_cpu_per_token_s * 1e6:.1f} us of CPU per KV token it receives, "
               f"{profile.decode_admit_overhead_s * 1000:.1f} ms before it takes a request in; a prompt "
-              f"step beside another worker's gets at most 1/{profile.corun_slowdown:.2f} of a core ({seen})")
+              f"step that starts beside another worker's decoding step waits {profile.corun_wait_s * 1000:.1f} ms, "
+              f"then gets at most 1/{profile.corun_slowdown:.2f} of a core ({seen})")
         if seen.get("at_bound"):
-            print(f"warning: corun_slowdown stopped at its bound {profile.corun_slowdown:g}: the hits beside streams "
-                  f"grew {seen['measured_growth_s'] * 1000:.0f} ms, the model at most "
-                  f"{seen['simulated_growth_s'] * 1000:.0f} ms (a busy or drifting machine, or more contention than "
-                  "the ceiling model gives); the profile's TTFT beside streams will be low")
+            print(f"warning: the co-run fit stopped at a bound (wait {profile.corun_wait_s * 1000:.0f} ms, slowdown "
+                  f"{profile.corun_slowdown:g}): the hits beside streams grew "
+                  f"{seen['measured_growth_short_s'] * 1000:.0f} and {seen['measured_growth_long_s'] * 1000:.0f} ms, "
+                  f"the model {seen['simulated_growth_short_s'] * 1000:.0f} and "
+                  f"{seen['simulated_growth_long_s'] * 1000:.0f} ms (a busy or drifting machine, or more contention "
+                  "than the model gives); the profile's TTFT beside streams will be off")
         _warn_stolen(seen["steal_share"], "the disaggregated serve's measurement")
     Path(args.out).write_text(profile.model_dump_json(indent=1))
     print(f"wrote {args.out}")

@@ -1,15 +1,18 @@
-"""The co-run slowdown of a CPU host (DeviceProfile.corun_slowdown, sim/cpu_host.py), fitted
-so that the simulator reproduces one measured scene: prefix hits sent one at a time to a
-1 prefill + 1 decode fleet, alone and while `width` long answers stream from its decode
-worker. The hits' prefill steps then share the cores with the decode worker's steps; what
-they lose beyond a fair share is what the fit finds. `brigade sim calibrate --disagg-url`
-measures the scene (cluster/serving_costs.py) and calls `fit_corun_slowdown`."""
+"""The co-run costs of a CPU host (DeviceProfile.corun_wait_s and corun_slowdown,
+sim/cpu_host.py), fitted so that the simulator reproduces one measured scene: prefix hits sent
+one at a time to a 1 prefill + 1 decode fleet, alone and while `width` long answers stream
+from its decode worker. The hits alternate between two lengths of new tokens over the same
+cached prefix, so their steps are short and long: a fixed wait grows both alike, a ceiling on
+the step's share of a core grows the long one more; what they lose beyond a fair share is
+what the fit finds. `brigade sim calibrate --disagg-url` measures the scene
+(cluster/serving_costs.py) and calls `fit_corun`."""
 from __future__ import annotations
 
 import statistics
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from engine.config import SchedulerConfig
 from router.config import RouterConfig
@@ -19,63 +22,100 @@ from sim.hardware import DeviceProfile
 
 @dataclass(frozen=True)
 class HitScene:
-    """The scene as measured: `hits` requests of one `hit_len`-token prompt (cached before; 2
-    tokens each, so each reserves on the decode worker as a real answer does), `spacing_s`
-    apart, beside `width` answers of `stream_len` tokens to distinct `short_len`-token prompts
-    that began `settle_s` before the first hit."""
+    """The scene as measured: `hits` requests `spacing_s` apart (2 tokens each, so each
+    reserves on the decode worker as a real answer does), beside `width` answers of
+    `stream_len` tokens to distinct `short_len`-token prompts that began `settle_s` before the
+    first hit. Even hits are one `hit_len`-token prompt (cached before: its full blocks are
+    hits, the rest is computed); odd ones are those cached blocks and `long_new` tokens of
+    their own (a longer step over the same prefix)."""
 
     model: str
     width: int
-    hits: int = 8
+    hits: int = 12
     hit_len: int = 516
+    long_new: int = 96
     short_len: int = 4
     stream_len: int = 400
     spacing_s: float = 0.4
     settle_s: float = 1.0
     block_size: int = 16
 
+    def hit_prompt(self) -> list[int]:
+        return [101 + 13 * j % 997 for j in range(self.hit_len)]
 
-def hit_ttft_s(profile: DeviceProfile, scene: HitScene, width: int | None = None) -> float:
-    """The hits' simulated median TTFT (beside `width` streams; None: the scene's)."""
+    def long_prompt(self, hit: list[int], k: int, salt: int = 0) -> list[int]:
+        """The `k`-th long hit: the hit's cached blocks, then `long_new` tokens no other has."""
+        cached = (self.hit_len - 1) // self.block_size * self.block_size
+        return hit[:cached] + [100 + (3001 + 17 * k + 31 * salt + j) % 3900 for j in range(self.long_new)]
+
+
+class HitTtfts(NamedTuple):
+    """The median TTFT of a scene's hits of each length."""
+
+    short_s: float
+    long_s: float
+
+
+def hit_ttfts(profile: DeviceProfile, scene: HitScene, width: int | None = None) -> HitTtfts:
+    """The scene's simulated median TTFTs (beside `width` streams; None: the scene's)."""
     width = scene.width if width is None else width
-    hit = [101 + 13 * j % 997 for j in range(scene.hit_len)]
+    hit = scene.hit_prompt()
+    hits = scene.hits
     sessions = [SimSession("warm", 0.0, ((hit, 2),))]
     sessions += [SimSession(f"stream{i}", 0.5, (([7919 * (i + 1) + j for j in range(scene.short_len)],
                                                   scene.stream_len),)) for i in range(width)]
     first = 0.5 + scene.settle_s
-    sessions += [SimSession(f"hit{k}", first + k * scene.spacing_s, ((hit, 2),)) for k in range(scene.hits)]
+    sessions += [SimSession(f"hit{k}", first + k * scene.spacing_s, ((scene.long_prompt(hit, k) if k % 2 else hit, 2),))
+                 for k in range(hits)]
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "profile.json"
         path.write_text(profile.model_dump_json())
         cfg = FleetConfig(model=scene.model, device=str(path), link="gloo-loopback", block_size=scene.block_size,
                           scheduler=SchedulerConfig(), router=RouterConfig(), stream_every=1)
         run = simulate(cfg, sessions)
-    return statistics.median(r.ttft_s for r in run["records"] if r.session_id.startswith("hit"))
+    ttft = {r.session_id: r.ttft_s for r in run["records"]}
+    return HitTtfts(statistics.median(ttft[f"hit{k}"] for k in range(0, hits, 2)),
+                    statistics.median(ttft[f"hit{k}"] for k in range(1, hits, 2)))
 
 
-def fit_corun_slowdown(profile: DeviceProfile, scene: HitScene, measured_alone_s: float,
-                       measured_beside_s: float, most: float = 4.0) -> tuple[float, dict]:
-    """The corun_slowdown (1 to `most`) whose simulated scene grows the hits' TTFT beside the
-    streams by as much as measured (the difference, so a bias of the hit's own cost cancels),
-    by bisection (the growth only rises with it); and what was seen. `at_bound` says the
-    measured growth is more than `most` can explain: the scene was not the one modelled (a
-    machine whose speed changed between the rounds, or one too loaded to serve it), so the
-    fitted factor should not be trusted."""
-    alone = hit_ttft_s(profile, scene, width=0)
-    want = measured_beside_s - measured_alone_s
+# The grid fit_corun searches. The growths move in steps with either, not smoothly: a hit's
+# reservation waits for the decode worker's step in flight, so its own step starts in lockstep
+# with the decode steps, and a wait a few ms longer can move it past one step's end (on this
+# machine's profile, the short hits' growth went 33, 34, 31, 45 ms at waits of 0, 5, 10 and 15
+# ms); a bisection stopped at such a step, 16 ms short of the growth measured.
+SLOWDOWNS = (1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.8, 2.0, 2.25, 2.5, 3.0, 3.5, 4.0)
+WAITS_S = tuple(0.0025 * i for i in range(21))  # 0 to 50 ms
 
-    def growth(slowdown: float) -> float:
-        return hit_ttft_s(profile.model_copy(update={"corun_slowdown": slowdown}), scene) - alone
 
-    lo, hi = 1.0, most
-    if growth(lo) >= want:
-        hi = lo
-    elif growth(hi) <= want:
-        lo = hi
-    at_bound = lo == hi == most
-    while hi - lo > 0.02:
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if growth(mid) < want else (lo, mid)
-    fitted = round((lo + hi) / 2, 3)
-    return fitted, {"measured_growth_s": want, "simulated_growth_s": growth(fitted),
-                    "simulated_alone_s": alone, "growth_at_1_s": growth(1.0), "at_bound": at_bound}
+def fit_corun(profile: DeviceProfile, scene: HitScene, alone: HitTtfts, beside: HitTtfts,
+              slowdowns: tuple[float, ...] = SLOWDOWNS, waits_s: tuple[float, ...] = WAITS_S
+              ) -> tuple[DeviceProfile, dict]:
+    """The corun_slowdown and corun_wait_s, of `slowdowns` x `waits_s`, whose simulated scene
+    grows the hits' TTFTs beside the streams nearest to what was measured (the differences, so a
+    bias of a hit's own cost cancels; least squares over the short and the long hits: a wait
+    grows both alike, a slowdown the long ones more). The profile with them set, and what was
+    seen. `at_bound` says the measured growth is more than the grid's largest can explain: the
+    scene was not the one modelled (a machine whose speed changed between the rounds, or one
+    too loaded to serve it), so the fit should not be trusted."""
+    sim_alone = hit_ttfts(profile, scene, width=0)
+    want = HitTtfts(beside.short_s - alone.short_s, beside.long_s - alone.long_s)
+
+    def growth(slowdown: float, wait_s: float) -> HitTtfts:
+        b = hit_ttfts(profile.model_copy(update={"corun_slowdown": slowdown, "corun_wait_s": wait_s}), scene)
+        return HitTtfts(b.short_s - sim_alone.short_s, b.long_s - sim_alone.long_s)
+
+    grid = {(s, w): growth(s, w) for s in slowdowns for w in waits_s}
+
+    def miss(g: HitTtfts) -> float:
+        return (g.short_s - want.short_s) ** 2 + (g.long_s - want.long_s) ** 2
+
+    (slowdown, wait_s), fitted = min(grid.items(), key=lambda kv: miss(kv[1]))
+    most = grid[(max(slowdowns), max(waits_s))]
+    at_bound = want.short_s > most.short_s or want.long_s > most.long_s
+    none = grid.get((1.0, 0.0)) or growth(1.0, 0.0)
+    return profile.model_copy(update={"corun_slowdown": slowdown, "corun_wait_s": wait_s}), {
+        "measured_growth_short_s": want.short_s, "measured_growth_long_s": want.long_s,
+        "simulated_growth_short_s": fitted.short_s, "simulated_growth_long_s": fitted.long_s,
+        "simulated_alone_short_s": sim_alone.short_s, "simulated_alone_long_s": sim_alone.long_s,
+        "growth_at_none_short_s": none.short_s, "growth_at_none_long_s": none.long_s,
+        "at_bound": at_bound}

@@ -18,13 +18,17 @@ router's and the door's short-lived threads, which preempt it. So while another 
 decodes runs, a prompt step gets at most 1 / `corun_slowdown` of a core (1: no limit), and
 less when its fair share is less: a full machine's scheduler is fair over a step's length, and
 the preempting threads' CPU is already a job here (the streaming's), so the ceiling is not
-applied on top of the share. Two prompt steps side by side (cold prompts on two workers) wake
-no such threads and are not slowed. An earlier form applied the ceiling only while streaming
-work was pending; it could not reach the growth measured beside 2 streams (its fit stopped at
-its bound in 4 of 5 calibrations; this one's fits came to 1.6-2.0 in 5 of 5) and gave a hit
+applied on top of the share. A prompt step that starts beside a decoding step also waits
+`corun_wait_s` first (off the cores): the growth is part fixed. Measured on one 1P+1D serve,
+hits of 4 and of 96 new tokens over a cached 512-token prefix grew by 39 and 74 ms beside one
+stream: a ceiling alone fitted to the short hit (about 2) gave the long one 134 ms, and no
+ceiling matches both; a 10 ms wait and a 1.35 ceiling give 39 and 75. Two prompt steps side
+by side (cold prompts on two workers) wake no such threads and are not slowed. An earlier form
+applied the ceiling only while streaming work was pending; it could not reach the growth
+measured beside 2 streams (its fit stopped at its bound in 4 of 5 calibrations) and gave a hit
 sent as another hit starts decoding less than half of the 18 ms it lost
-(benchmarks/sim_micro.py's hit_after_hit). `brigade sim calibrate
---disagg-url` fits it (cluster/serving_costs.py).
+(benchmarks/sim_micro.py's hit_after_hit). `brigade sim calibrate --disagg-url` fits both
+(cluster/serving_costs.py, sim/corun.py).
 """
 from __future__ import annotations
 
@@ -42,12 +46,14 @@ class _Job:
 
 
 class CpuHost:
-    def __init__(self, cores: float, corun_slowdown: float = 1.0):
+    def __init__(self, cores: float, corun_slowdown: float = 1.0, corun_wait_s: float = 0.0):
         if cores <= 0:
             raise ValueError(f"a host needs cores > 0, not {cores}")
         if corun_slowdown < 1:
             raise ValueError(f"corun_slowdown is a slowdown (>= 1), not {corun_slowdown}")
-        self.cores, self.corun_slowdown = cores, corun_slowdown
+        if corun_wait_s < 0:
+            raise ValueError(f"corun_wait_s is a wait (>= 0), not {corun_wait_s}")
+        self.cores, self.corun_slowdown, self.corun_wait_s = cores, corun_slowdown, corun_wait_s
         self.cpu_s = 0.0  # work done, all jobs together
         self._jobs: list[_Job] = []
         self._since = 0.0  # when the jobs' left_s were last brought up to date
@@ -87,9 +93,12 @@ class CpuHost:
     async def run(self, cpu_s: float, step: bool = False, prompt: bool = False, decode: bool = False) -> None:
         """Take `cpu_s` seconds of one core's work, at this host's fair share (`step`: a
         worker's engine step; `prompt`: one that computes prompt tokens, which corun_slowdown
-        slows beside another worker's step that `decode`s: samples tokens of running answers)."""
+        slows beside another worker's step that `decode`s: samples tokens of running answers;
+        one that starts beside such a step first waits corun_wait_s)."""
         if cpu_s <= 0:
             return
+        if step and prompt and self.corun_wait_s and any(j.decode for j in self._jobs):
+            await asyncio.sleep(self.corun_wait_s)
         loop = asyncio.get_running_loop()
         self._advance(loop.time())
         job = _Job(cpu_s, loop.create_future(), step, step and prompt, step and decode)

@@ -96,7 +96,8 @@ class Fleet:
         self.router.picker._rng.seed(cfg.seed)
         self.workers: list[SimWorker] = []
         # A CPU machine's profile: one host's cores under every worker and the serving path.
-        self.cpu = CpuHost(self.device.host_cores, self.device.corun_slowdown) if self.device.host_cores else None
+        self.cpu = (CpuHost(self.device.host_cores, self.device.corun_slowdown, self.device.corun_wait_s)
+                    if self.device.host_cores else None)
 
     def _worker(self, worker_id: str, role: str, tp: int) -> SimWorker:
         device = self.device

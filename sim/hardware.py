@@ -71,10 +71,12 @@ class DeviceProfile(_Frozen):
     # Per streamed token, the serving path's CPU outside the worker's step (the router, the
     # door, the client), on host_cores beside the workers (calibrate --url; 0 for the GPUs).
     stream_cpu_s: float = Field(0.0, ge=0)
-    # On host_cores: a step computing prompt tokens while another worker's step decodes gets
-    # at most 1 / corun_slowdown of a core, less if its fair share is less (run-queue waits
-    # behind the threads its tokens wake; sim/cpu_host.py).
-    # calibrate --disagg-url fits it on a 1 prefill + 1 decode serve; 1: none.
+    # On host_cores: a step computing prompt tokens that starts while another worker's step
+    # decodes first waits corun_wait_s, then gets at most 1 / corun_slowdown of a core, less if
+    # its fair share is less (run-queue waits behind the threads its tokens wake; a hit's
+    # growth there is part fixed, part proportional to its step: sim/cpu_host.py).
+    # calibrate --disagg-url fits both on a 1 prefill + 1 decode serve; 0 and 1: none.
+    corun_wait_s: float = Field(0.0, ge=0)
     corun_slowdown: float = Field(1.0, ge=1)
     dtype_bytes: int = Field(2, ge=1)  # weights and KV
     intra_link: str = "nvlink4"  # between the ranks of one TP group

@@ -94,7 +94,9 @@ def test_sim_calibrate_measures_the_serving_path_of_brigade_serve(base_url: str)
     assert 1.0 <= disagg.corun_slowdown <= 4.0
     assert disagg.kv_receive_cpu_per_token_s >= 0  # the decode worker's CPU per KV token it takes in
     assert seen["decode_cpu_per_request_68_s"] > 0 and seen["decode_cpu_per_request_4_s"] > 0
-    assert seen["hit_alone_s"] > 0 and seen["hit_beside_2_s"] > 0
+    assert seen["hit_alone_s"] > 0 and seen["hit_beside_1_s"] > 0
+    assert seen["long_hit_alone_s"] > 0 and seen["long_hit_beside_1_s"] > 0
+    assert 0 <= disagg.corun_wait_s <= 0.1
     keep = ("request_overhead_s", "request_overhead_per_token_s", "token_overhead_s", "worker_step_overhead_s",
             "stream_cpu_s")
     assert {k: getattr(disagg, k) for k in keep} == {k: getattr(colocated, k) for k in keep}

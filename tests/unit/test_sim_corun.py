@@ -1,35 +1,61 @@
-"""corun_slowdown is fitted by simulating the measured scene (sim/corun.py): the fit finds
-the slowdown that made a scene's hits slower, and 1 where sharing the cores explains it all."""
+"""corun_wait_s and corun_slowdown are fitted by simulating the measured scene (sim/corun.py):
+the fit finds the wait and the slowdown that made a scene's short and long hits slower, and
+none where sharing the cores explains it all."""
 from __future__ import annotations
 
 import pytest
 
-from sim.corun import HitScene, fit_corun_slowdown, hit_ttft_s
+from sim.corun import HitScene, HitTtfts, fit_corun, hit_ttfts
 from sim.hardware import load_device
 
-HOST = load_device("cpu-2core").model_copy(update={"name": "host", "host_cores": 2.0, "stream_cpu_s": 0.002})
-SCENE = HitScene("bench", width=2, hits=4)  # the streams outlast the hits (as measured)
+# About this machine's speed (the 2-core Zen3 in float32): steps of tens of ms, as measured
+HOST = load_device("cpu-2core").model_copy(update={
+    "name": "host", "host_cores": 2.0, "stream_cpu_s": 0.004, "peak_flops": 6e10, "mem_bw": 1e11,
+    "step_overhead_s": 0.017, "seq_overhead_s": 0.002})
+SCENE = HitScene("bench", width=1)  # the stream outlasts the hits (as measured)
+GRID = {"slowdowns": (1.0, 1.3, 1.6, 2.0), "waits_s": (0.0, 0.01, 0.02, 0.03)}  # the default's is finer
 
 
-def test_the_fit_finds_the_slowdown_that_made_the_scene() -> None:
-    alone = hit_ttft_s(HOST, SCENE, width=0)
-    beside = hit_ttft_s(HOST.model_copy(update={"corun_slowdown": 1.8}), SCENE)
-    assert beside > hit_ttft_s(HOST, SCENE) > alone  # it slows the hits beyond the fair share
-    slowdown, seen = fit_corun_slowdown(HOST, SCENE, alone, beside)
-    assert slowdown == pytest.approx(1.8, abs=0.05)
-    assert seen["simulated_growth_s"] == pytest.approx(beside - alone, rel=0.05)
+def _with(wait_s: float, slowdown: float):
+    return HOST.model_copy(update={"corun_wait_s": wait_s, "corun_slowdown": slowdown})
+
+
+def test_the_fit_finds_the_wait_and_the_slowdown_that_made_the_scene() -> None:
+    alone = hit_ttfts(HOST, SCENE, width=0)
+    beside = hit_ttfts(_with(0.02, 1.6), SCENE)
+    fair = hit_ttfts(HOST, SCENE)
+    assert beside.short_s > fair.short_s > alone.short_s and beside.long_s > fair.long_s  # beyond the fair share
+    assert alone.long_s > alone.short_s  # the long hits' step is longer
+    fitted, seen = fit_corun(HOST, SCENE, alone, beside, **GRID)
+    assert (fitted.corun_wait_s, fitted.corun_slowdown) == (0.02, 1.6)
+    assert seen["simulated_growth_short_s"] == pytest.approx(beside.short_s - alone.short_s)
+    assert seen["simulated_growth_long_s"] == pytest.approx(beside.long_s - alone.long_s)
     assert not seen["at_bound"]
 
 
-def test_growth_the_fair_share_explains_needs_no_slowdown() -> None:
-    alone = hit_ttft_s(HOST, SCENE, width=0)
-    fair = hit_ttft_s(HOST, SCENE) - alone  # what sharing the cores alone adds
-    slowdown, seen = fit_corun_slowdown(HOST, SCENE, alone, alone + 0.5 * fair)
-    assert slowdown == 1.0 and seen["growth_at_1_s"] > seen["measured_growth_s"] > 0
+def test_a_wait_grows_both_hits_alike_and_a_slowdown_the_long_one_more() -> None:
+    fair = hit_ttfts(HOST, SCENE)
+    waited, slowed = hit_ttfts(_with(0.03, 1.0), SCENE), hit_ttfts(_with(0.0, 2.0), SCENE)
+    assert waited.short_s - fair.short_s == pytest.approx(waited.long_s - fair.long_s, abs=0.01)
+    assert slowed.long_s - fair.long_s > 1.5 * (slowed.short_s - fair.short_s) > 0
+    alone = hit_ttfts(HOST, SCENE, width=0)
+    for made, wait_s, slowdown in ((waited, 0.03, 1.0), (slowed, 0.0, 2.0)):
+        fitted, _ = fit_corun(HOST, SCENE, alone, made, **GRID)
+        assert (fitted.corun_wait_s, fitted.corun_slowdown) == (wait_s, slowdown)
+
+
+def test_growth_the_fair_share_explains_needs_neither() -> None:
+    alone, fair = hit_ttfts(HOST, SCENE, width=0), hit_ttfts(HOST, SCENE)
+    half = HitTtfts(*(a + 0.5 * (f - a) for a, f in zip(alone, fair)))
+    fitted, seen = fit_corun(HOST, SCENE, alone, half, **GRID)
+    assert fitted.corun_slowdown == 1.0 and fitted.corun_wait_s == 0.0
+    assert seen["growth_at_none_short_s"] > seen["measured_growth_short_s"] > 0
     assert not seen["at_bound"]
 
 
 def test_growth_beyond_the_model_stops_at_the_bound_and_says_so() -> None:
-    alone = hit_ttft_s(HOST, SCENE, width=0)
-    slowdown, seen = fit_corun_slowdown(HOST, SCENE, alone, alone + 10.0, most=3.0)
-    assert slowdown == 3.0 and seen["at_bound"] and seen["simulated_growth_s"] < 10.0
+    alone = hit_ttfts(HOST, SCENE, width=0)
+    beside = HitTtfts(alone.short_s + 10.0, alone.long_s + 30.0)
+    fitted, seen = fit_corun(HOST, SCENE, alone, beside, **GRID)
+    assert seen["at_bound"] and seen["simulated_growth_short_s"] < 10.0
+    assert (fitted.corun_wait_s, fitted.corun_slowdown) == (0.03, 2.0)  # the grid's largest

@@ -120,3 +120,29 @@ def test_corun_slowdown_slows_a_prompt_step_beside_a_step_that_decodes() -> None
     assert full == pytest.approx([9.25, 9.25])
     with pytest.raises(ValueError, match="slowdown"):
         CpuHost(2, corun_slowdown=0.5)
+
+
+def test_corun_wait_delays_a_prompt_step_that_starts_beside_a_step_that_decodes() -> None:
+    host = CpuHost(2, corun_wait_s=0.25)
+
+    async def job(cpu_s: float, prompt: bool, decode: bool = False) -> float:
+        await host.run(cpu_s, step=True, prompt=prompt, decode=decode)
+        return asyncio.get_running_loop().time()
+
+    async def main():
+        alone = await job(1.0, True)  # nothing beside it: no wait
+        two_prompts = await asyncio.gather(job(1.0, True), job(1.0, True))  # nor beside a prompt step
+        # Beside a decoding step: the prompt step waits 0.25 s off the cores, then runs 1 s;
+        # the decode step is not delayed.
+        loop = asyncio.get_running_loop()
+        decode = loop.create_task(job(2.0, False, decode=True))
+        await asyncio.sleep(0)  # the decode step is on the host first
+        prompt = await job(1.0, True)
+        return alone, two_prompts, prompt, await decode
+
+    alone, two_prompts, prompt, decode = run_virtual(main())
+    assert alone == pytest.approx(1.0)
+    assert two_prompts == pytest.approx([2.0, 2.0])
+    assert prompt == pytest.approx(3.25) and decode == pytest.approx(4.0)
+    with pytest.raises(ValueError, match="wait"):
+        CpuHost(2, corun_wait_s=-1.0)
