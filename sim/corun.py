@@ -60,13 +60,12 @@ def hit_ttfts(profile: DeviceProfile, scene: HitScene, width: int | None = None)
     """The scene's simulated median TTFTs (beside `width` streams; None: the scene's)."""
     width = scene.width if width is None else width
     hit = scene.hit_prompt()
-    hits = scene.hits
     sessions = [SimSession("warm", 0.0, ((hit, 2),))]
     sessions += [SimSession(f"stream{i}", 0.5, (([7919 * (i + 1) + j for j in range(scene.short_len)],
                                                   scene.stream_len),)) for i in range(width)]
     first = 0.5 + scene.settle_s
     sessions += [SimSession(f"hit{k}", first + k * scene.spacing_s, ((scene.long_prompt(hit, k) if k % 2 else hit, 2),))
-                 for k in range(hits)]
+                 for k in range(scene.hits)]
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "profile.json"
         path.write_text(profile.model_dump_json())
@@ -74,15 +73,15 @@ def hit_ttfts(profile: DeviceProfile, scene: HitScene, width: int | None = None)
                           scheduler=SchedulerConfig(), router=RouterConfig(), stream_every=1)
         run = simulate(cfg, sessions)
     ttft = {r.session_id: r.ttft_s for r in run["records"]}
-    return HitTtfts(statistics.median(ttft[f"hit{k}"] for k in range(0, hits, 2)),
-                    statistics.median(ttft[f"hit{k}"] for k in range(1, hits, 2)))
+    return HitTtfts(statistics.median(ttft[f"hit{k}"] for k in range(0, scene.hits, 2)),
+                    statistics.median(ttft[f"hit{k}"] for k in range(1, scene.hits, 2)))
 
 
 # The grid fit_corun searches. The growths move in steps with either, not smoothly: a hit's
 # reservation waits for the decode worker's step in flight, so its own step starts in lockstep
 # with the decode steps, and a wait a few ms longer can move it past one step's end (on this
-# machine's profile, the short hits' growth went 33, 34, 31, 45 ms at waits of 0, 5, 10 and 15
-# ms); a bisection stopped at such a step, 16 ms short of the growth measured.
+# machine's profile and a 1.3 ceiling, the short hits' growth went 31, 22, 49, 57 ms at waits
+# of 0, 5, 10 and 15 ms); a bisection stopped at such a step, 16 ms short of the growth measured.
 SLOWDOWNS = (1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.8, 2.0, 2.25, 2.5, 3.0, 3.5, 4.0)
 WAITS_S = tuple(0.0025 * i for i in range(21))  # 0 to 50 ms
 
