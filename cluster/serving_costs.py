@@ -154,11 +154,11 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
     stolen = StealMeter()
 
     async def one(target, prompt_len: int, max_tokens: int, i: int | None = None,
-                  prompt: list[int] | None = None) -> tuple[float, float, int, float]:
+                  token_ids: list[int] | None = None) -> tuple[float, float, int, float]:
         """(TTFT, the last token's time, tokens, the first token's time to the second's) of one
-        answer (to `prompt`'s tokens where given)."""
+        answer (to `token_ids` where given)."""
         i = next(ids) if i is None else i  # the same i: the same prompt (a prefix hit after the first)
-        tokens = prompt or [first_token] + [101 + (7 * i + 13 * j) % 997 for j in range(1, prompt_len)]
+        tokens = token_ids or [first_token] + [101 + (7 * i + 13 * j) % 997 for j in range(1, prompt_len)]
         prompt = Prompt(f"calibrate-{i}", "calibrate", (Message("user", tokens),), max_tokens)
         sent = time.perf_counter()
         chunks = [c async for c in target.stream(prompt) if c.num_tokens]
@@ -194,14 +194,14 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
         hit = [first_token + salt % 97] + scene.hit_prompt()[1:]
         try:
             for _ in range(2):  # warm the path up and cache the prompt
-                await one(t, 0, 2, prompt=hit)
+                await one(t, 0, 2, token_ids=hit)
             streams = [asyncio.create_task(one(t, scene.short_len, scene.stream_len)) for _ in range(width)]
             await asyncio.sleep(scene.settle_s)  # past their prefills: decoding
             ttfts: tuple[list[float], list[float]] = ([], [])
             for k in range(scene.hits):
                 sent = time.perf_counter()
-                prompt = scene.long_prompt(hit, k, salt) if k % 2 else hit
-                ttfts[k % 2].append((await one(t, 0, 2, prompt=prompt))[0])
+                ids_k = scene.long_prompt(hit, k, salt) if k % 2 else hit
+                ttfts[k % 2].append((await one(t, 0, 2, token_ids=ids_k))[0])
                 await asyncio.sleep(max(0.0, scene.spacing_s - (time.perf_counter() - sent)))
             for task in streams:  # closes their connections: the router aborts them
                 task.cancel()

@@ -72,9 +72,13 @@ class CpuHost:
         """`job`'s own rate: the fair share, at most 1 / corun_slowdown for a prompt step beside
         another step that decodes."""
         share = self.rate()
-        if job.prompt and any(j.decode for j in self._jobs if j is not job):
+        if job.prompt and self._decoding(besides=job):
             return min(share, 1.0 / self.corun_slowdown)
         return share
+
+    def _decoding(self, besides: _Job | None = None) -> bool:
+        """Whether a step that decodes runs (other than `besides`)."""
+        return any(j.decode for j in self._jobs if j is not besides)
 
     def spend(self, cpu_s: float) -> None:
         """Add `cpu_s` to the background work nobody waits for (the serving path's streaming:
@@ -97,7 +101,7 @@ class CpuHost:
         one that starts beside such a step first waits corun_wait_s)."""
         if cpu_s <= 0:
             return
-        if step and prompt and self.corun_wait_s and any(j.decode for j in self._jobs):
+        if step and prompt and self.corun_wait_s and self._decoding():
             await asyncio.sleep(self.corun_wait_s)
         loop = asyncio.get_running_loop()
         self._advance(loop.time())

@@ -82,12 +82,17 @@ def test_a_host_needs_cores() -> None:
         CpuHost(0)
 
 
+async def _step_ends_at(host: CpuHost, cpu_s: float, prompt: bool, decode: bool) -> float:
+    """A worker's step of `cpu_s` on `host`; the virtual time it ends."""
+    await host.run(cpu_s, step=True, prompt=prompt, decode=decode)
+    return asyncio.get_running_loop().time()
+
+
 def test_corun_slowdown_slows_a_prompt_step_beside_a_step_that_decodes() -> None:
     host = CpuHost(2, corun_slowdown=2.0)
 
-    async def job(cpu_s: float, prompt: bool, decode: bool = False) -> float:
-        await host.run(cpu_s, step=True, prompt=prompt, decode=decode)
-        return asyncio.get_running_loop().time()
+    def job(cpu_s: float, prompt: bool, decode: bool = False):
+        return _step_ends_at(host, cpu_s, prompt, decode)
 
     async def main():
         alone = await job(1.0, True)  # no other step: full speed
@@ -125,9 +130,8 @@ def test_corun_slowdown_slows_a_prompt_step_beside_a_step_that_decodes() -> None
 def test_corun_wait_delays_a_prompt_step_that_starts_beside_a_step_that_decodes() -> None:
     host = CpuHost(2, corun_wait_s=0.25)
 
-    async def job(cpu_s: float, prompt: bool, decode: bool = False) -> float:
-        await host.run(cpu_s, step=True, prompt=prompt, decode=decode)
-        return asyncio.get_running_loop().time()
+    def job(cpu_s: float, prompt: bool, decode: bool = False):
+        return _step_ends_at(host, cpu_s, prompt, decode)
 
     async def main():
         alone = await job(1.0, True)  # nothing beside it: no wait
