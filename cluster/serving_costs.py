@@ -45,24 +45,36 @@ class CpuSample(NamedTuple):
     """The machine's CPU counters at one moment."""
 
     busy_s: float  # every process's CPU time together, exited ones' too (/proc/stat)
-    workers_s: dict[int, float]  # each worker process's own, by pid
+    procs_s: dict[int, float]  # each live process's own, by pid
+    workers: frozenset[int]  # the pids Ray had titled as a worker by then
+
+
+def _cpu_by_pid() -> tuple[dict[int, float], dict[int, str]]:
+    """CPU seconds of every live process, and each one's title (its argv[0]), by pid."""
+    cpu_s, titles = {}, {}
+    for proc in psutil.process_iter(["cmdline", "cpu_times"]):
+        cmd, cpu = proc.info["cmdline"] or [""], proc.info["cpu_times"]
+        if cpu is not None:
+            cpu_s[proc.pid], titles[proc.pid] = cpu.user + cpu.system, cmd[0]
+    return cpu_s, titles
 
 
 def _titled_cpu_s(titles: str | tuple[str, ...]) -> dict[int, float]:
     """CPU seconds of each process Ray titled one of `titles` (an actor class's), by pid."""
-    out = {}
-    for proc in psutil.process_iter(["cmdline", "cpu_times"]):
-        cmd, cpu = proc.info["cmdline"] or [], proc.info["cpu_times"]
-        if cpu is not None and cmd and cmd[0].startswith(titles):
-            out[proc.pid] = cpu.user + cpu.system
-    return out
+    cpu_s, named = _cpu_by_pid()
+    return {pid: cpu for pid, cpu in cpu_s.items() if named[pid].startswith(titles)}
 
 
 def _cpu_sample() -> CpuSample:
     # The machine's busy time, not a sum over the processes alive now: a process that exits
     # between two samples (a Ray helper, a gRPC call's) would take its CPU out of the sum, and
     # an idle second measured that way once came out at -0.71 cores, which tripled stream_cpu_s.
-    return CpuSample(cpu_times_s()[0], _titled_cpu_s(WORKER_TITLES))
+    # Every process's own CPU is kept, not only the workers': Ray titles a pre-started worker
+    # only when an actor lands on it, seconds of imports later, and a worker titled between two
+    # samples must be charged from the first, not from its start (-8 s once, in a test).
+    cpu_s, titles = _cpu_by_pid()
+    return CpuSample(cpu_times_s()[0], cpu_s,
+                     frozenset(pid for pid, title in titles.items() if title.startswith(WORKER_TITLES)))
 
 
 def _cpu_of(title: str) -> float:
@@ -94,7 +106,7 @@ def _step_and_token_overheads(one: float, many: float, width: int) -> tuple[floa
 def _serving_cpu_s(since: CpuSample, until: CpuSample) -> float:
     """CPU seconds the machine spent between two samples outside the workers: the door, the
     router, Ray's and Redis's own, the kernel's, this client."""
-    workers = sum(cpu - since.workers_s.get(pid, 0.0) for pid, cpu in until.workers_s.items())
+    workers = sum(until.procs_s[pid] - since.procs_s.get(pid, 0.0) for pid in until.workers)
     return (until.busy_s - since.busy_s) - workers
 
 

@@ -28,13 +28,16 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 redis.call('SADD', KEYS[2], ARGV[1])
 return 1
 """
-# KEYS: the worker's epoch counter. The next epoch, and never below Redis's clock in ms: a Redis
-# that restarted empty (no persistence) must not hand out an epoch it gave before, or a router
-# could take a restarted worker for the incarnation it knew. Epochs stay below 2^53 / 8, so a
-# block entry (epoch * 8 + tiers) is still exact as a Lua number.
+# KEYS: the worker's epoch counter. The next epoch, and never below Redis's clock in 10 us
+# units: a Redis that restarted empty (no persistence) must not hand out an epoch it gave before,
+# or a router could take a restarted worker for the incarnation it knew. The counter runs ahead
+# of the clock by one unit for each epoch minted within one unit, so the unit is finer than a
+# round trip (in ms, three registrations and a wipe once fitted in one unit and repeated an
+# epoch). Epochs stay below 2^53 / 8 (until the year 2326), so a block entry (epoch * 8 + tiers)
+# is still exact as a Lua number; they only grew when the unit left ms.
 _NEXT_EPOCH = """
 local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = tonumber(t[1]) * 100000 + math.floor(tonumber(t[2]) / 10)
 local e = redis.call('INCR', KEYS[1])
 if e < now then redis.call('SET', KEYS[1], now); e = now end
 return e

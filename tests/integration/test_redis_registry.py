@@ -109,6 +109,7 @@ def test_epochs_keep_growing_after_redis_loses_its_data(server: EmbeddedRedis, p
     client.delete(*client.keys(f"{prefix}:*"))  # as a Redis without persistence comes back: empty
     after = reg.register("d0", "decode")
     assert before == sorted(set(before)) and after > before[-1]
+    assert after * 8 + 7 < 2**53  # a block entry stays exact as a Lua number
     assert [w.epoch for w in reg.live_workers()] == [after] and reg.heartbeat("d0", after)
 
 

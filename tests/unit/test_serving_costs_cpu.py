@@ -19,6 +19,15 @@ def test_a_process_that_exits_between_the_samples_still_counts() -> None:
 
 
 def test_the_workers_own_cpu_is_left_out() -> None:
-    since = CpuSample(busy_s=100.0, workers_s={11: 5.0, 12: 1.0})
-    until = CpuSample(busy_s=103.0, workers_s={11: 6.5, 12: 1.5, 13: 0.25})  # 13 started in between
+    since = CpuSample(busy_s=100.0, procs_s={11: 5.0, 12: 1.0, 20: 2.0}, workers=frozenset({11, 12}))
+    until = CpuSample(busy_s=103.0, procs_s={11: 6.5, 12: 1.5, 13: 0.25, 20: 2.5},
+                      workers=frozenset({11, 12, 13}))  # 13 started in between
     assert _serving_cpu_s(since, until) == 3.0 - 1.5 - 0.5 - 0.25
+
+
+def test_a_worker_titled_between_the_samples_is_charged_from_the_first() -> None:
+    """Ray titles a pre-started worker only when an actor lands on it; the seconds it spent
+    importing before the first sample are not the window's (-8 s once, under xdist)."""
+    since = CpuSample(busy_s=100.0, procs_s={30: 8.0}, workers=frozenset())
+    until = CpuSample(busy_s=101.0, procs_s={30: 8.5}, workers=frozenset({30}))
+    assert _serving_cpu_s(since, until) == 0.5
