@@ -360,7 +360,7 @@ def describe(exc: BaseException) -> str:
             where = CONFIG_FLAGS.get(loc) or ".".join(loc)
             msg = err["msg"].removeprefix("Value error, ")
             problems.append(f"{where}: {msg}" if where else msg)
-        return f"invalid engine settings: {'; '.join(problems)}; fix the flag(s) named"
+        return f"invalid settings: {'; '.join(problems)}; fix the flag(s) named"
     if isinstance(exc, InvalidRequest):
         return f"{exc}; change {REQUEST_FLAGS.get(exc.field, exc.field)}"
     if isinstance(exc, ModelNotFound):

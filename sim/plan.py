@@ -6,6 +6,11 @@ same workload, with its real arrival process: a bursty load queues in the simula
 fleet sized for the mean rate fails the SLO and the search moves on to one sized for the
 bursts. The answer reports each candidate's queue-time share of TTFT, which is what a
 planner that ignores queueing cannot see.
+
+A headroom above 1 sizes with a margin: a request counts only if its simulated latencies
+are within the SLO divided by it, so a fleet the simulation puts just inside the SLO (where
+a prediction that is 20-30% low, as sim_bench measures on a busy 2-core host, or a burst the
+workload did not show, tips it over) is passed over for one that meets it with room.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ class PlanConfig(BaseModel):
     base: FleetConfig = FleetConfig()  # model, device, block size, scheduler, router settings
     slo: dict[str, float]  # seconds per key: ttft, tpot, itl, e2el (loadtest.metrics)
     goodput: float = Field(0.9, gt=0, le=1)  # share of requests that must meet every SLO
+    headroom: float = Field(1.0, ge=1)  # a request counts if it meets every SLO divided by this
     max_gpus: int = Field(16, ge=1)
     tp_sizes: tuple[int, ...] = (1, 2, 4, 8)
     policies: tuple[str, ...] = ("kv_aware", "round_robin")
@@ -66,20 +72,27 @@ def candidates(cfg: PlanConfig) -> Iterator[tuple[int, dict]]:
 def evaluate(cfg: PlanConfig, fleet: FleetConfig, sessions: list[SimSession]) -> dict:
     run = simulate(fleet, sessions, cfg.slo)
     recs = run["records"]
-    met = sum(meets_slo(r, cfg.slo) for r in recs) / len(recs) if recs else 0.0
+    margin = {k: v / cfg.headroom for k, v in cfg.slo.items()}
+
+    def share(slo: dict[str, float]) -> float:
+        return sum(meets_slo(r, slo) for r in recs) / len(recs) if recs else 0.0
+
+    met, within = share(cfg.slo), share(margin)
     return {"mode": fleet.mode, "prefill": fleet.prefill, "decode": fleet.decode, "prefill_tp": fleet.prefill_tp,
             "decode_tp": fleet.decode_tp, "policy": fleet.router.policy, "gpus": fleet.gpus, "slo_met": met,
+            "headroom_met": within,
             "request_goodput": run["request_goodput"], "request_throughput": run["request_throughput"],
             "p90_ttft_ms": run["p90_ttft_ms"], "mean_tpot_ms": run["mean_tpot_ms"],
             "queue_share_of_ttft": run["sim"]["mean_queue_share_of_ttft"], "p90_queue_ms": run["sim"]["p90_queue_ms"],
-            "cache_hit_ratio": run["cache_hit_ratio"], "meets": met >= cfg.goodput}
+            "cache_hit_ratio": run["cache_hit_ratio"], "meets": within >= cfg.goodput}
 
 
 def plan(cfg: PlanConfig, sessions: list[SimSession], on_try=None) -> dict:
     """Simulate candidates from the cheapest up; the first size with a candidate meeting the
-    SLO decides, and its best goodput among them is recommended. When none meets it, `closest`
-    is the candidate whose requests meet it most often (the cheapest of equals): what to deploy
-    within the budget, and how far it falls short (None when one meets)."""
+    SLO (within the headroom) decides, and its best goodput among them is recommended. When
+    none meets it, `closest` is the candidate whose requests meet it (within the headroom)
+    most often, the cheapest of equals: what to deploy within the budget, and how far it falls
+    short (None when one meets)."""
     tried: list[dict] = []
     best, size = None, None
     for gpus, fields in candidates(cfg):
@@ -93,13 +106,13 @@ def plan(cfg: PlanConfig, sessions: list[SimSession], on_try=None) -> dict:
                 on_try(result)
             if result["meets"]:
                 size = gpus
-                if best is None or result["slo_met"] > best["slo_met"]:
+                if best is None or result["headroom_met"] > best["headroom_met"]:
                     best = result
     arrivals = sorted(s.arrival_s for s in sessions)
     # `tried` runs cheapest first and max() keeps the first of equals
-    closest = max(tried, key=lambda r: r["slo_met"]) if best is None and tried else None
+    closest = max(tried, key=lambda r: r["headroom_met"]) if best is None and tried else None
     return {"recommended": best, "closest": closest, "tried": tried, "slo": {k: v * 1000 for k, v in cfg.slo.items()},
-            "goodput": cfg.goodput, "burst": _burst(arrivals)}
+            "goodput": cfg.goodput, "headroom": cfg.headroom, "burst": _burst(arrivals)}
 
 
 def _burst(arrivals: list[float], window_s: float = 10.0) -> dict:

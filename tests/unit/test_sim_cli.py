@@ -50,12 +50,23 @@ def test_plan_names_the_closest_configuration_when_none_meets_the_slo(tmp_path: 
     assert "no configuration up to 2 GPUs meets the SLO" in printed and "closest:" in printed
 
 
+def test_plan_with_headroom_says_so(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "plan.json"
+    code = main(["plan", *FLEET, *WORK, "--slo", "ttft=1s", "--max-gpus", "3", "--tp-sizes", "1",
+                 "--policies", "kv_aware", "--headroom", "1.5", "--json", str(out)])
+    result = json.loads(out.read_text())
+    printed = capsys.readouterr().out
+    assert code == 0 and result["headroom"] == 1.5 and result["recommended"]["headroom_met"] >= 0.9
+    assert "within headroom" in printed and "(1.5x headroom)" in printed
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["sim", "run", "--device", "B300"], "unknown device 'B300'"),
     (["sim", "run", "--workload", "trace"], "--trace-file"),
     (["sim", "run", "--workload-args", "num_prompts"], "KEY=VALUE"),
     (["sim", "run", "--workload-args", "input_len=abc"], "--workload-args"),
     (["plan", "--slo", "speed=1"], "bad SLO"),
+    (["plan", "--slo", "ttft=1s", "--headroom", "0.5"], "headroom: Input should be greater than or equal to 1"),
 ])
 def test_bad_flags_get_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exc:

@@ -10,7 +10,16 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from _sim_validate import Fleet, Load, engine_drift, errors, fleet_config, simulate_load  # noqa: E402
+from _sim_validate import (  # noqa: E402
+    SERVING_TIMES,
+    Fleet,
+    Load,
+    engine_drift,
+    engine_fit_around,
+    errors,
+    fleet_config,
+    simulate_load,
+)
 
 from cluster.sim_bridge import from_loadtest  # noqa: E402
 from loadtest.arrivals import arrival_offsets  # noqa: E402
@@ -87,6 +96,28 @@ def test_engine_drift_is_the_largest_relative_move_of_a_validated_runs_steps() -
     assert engine_drift("bench", fit, fit) == 0
     assert engine_drift("bench", fit, slower) == pytest.approx(0.3)
     assert engine_drift("bench", slower, fit) == pytest.approx(1 - 1 / 1.3)  # relative to the first
+
+
+def test_a_try_s_profile_scales_the_serving_terms_by_the_engine_s_move() -> None:
+    """Fits around a try whose steps all ran 30% longer than the serving calibration's own
+    engine fit: the engine terms are the fits' mean, and every serving time term is 1.3x (the
+    same cores ran both); the co-run ceiling, a ratio, stays."""
+    from sim.hardware import load_device
+
+    serving = load_device("cpu-2core").model_copy(update={
+        "seq_overhead_s": 0.002, "attn_eff": 0.5, "request_overhead_s": 0.008, "stream_cpu_s": 0.004,
+        "handoff_overhead_s": 0.003, "decode_token_overhead_s": 0.002, "corun_wait_s": 0.01,
+        "corun_slowdown": 1.5}).model_dump()
+    slower = {**serving, "peak_flops": serving["peak_flops"] / 1.3, "mem_bw": serving["mem_bw"] / 1.3,
+              "step_overhead_s": serving["step_overhead_s"] * 1.3, "seq_overhead_s": serving["seq_overhead_s"] * 1.3}
+    out = engine_fit_around("bench", slower, slower, serving)
+    assert out["peak_flops"] == pytest.approx(slower["peak_flops"])
+    assert out["step_overhead_s"] == pytest.approx(slower["step_overhead_s"])
+    for key in SERVING_TIMES:
+        if serving.get(key) is not None:
+            assert out[key] == pytest.approx(serving[key] * 1.3), key
+    assert out["stream_cpu_s"] == pytest.approx(0.0052) and out["corun_slowdown"] == 1.5
+    assert engine_fit_around("bench", serving, serving, serving) == pytest.approx(serving)
 
 
 def test_a_fleets_tries_are_compared_by_each_figures_median() -> None:
