@@ -113,7 +113,7 @@ def _serving_cpu_s(since: CpuSample, until: CpuSample) -> float:
 def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggregated: bool = False,
                     requests: int = 8, short_len: int = SHORT_LEN, long_len: int = 516,
                     decode_tokens: int = DECODE_TOKENS,
-                    streams: int = 4, rounds: int = 2, idle_s: float = 3.0,
+                    streams: int = 4, rounds: int = 2, stream_rounds: int = 4, idle_s: float = 3.0,
                     block_size: int = 16, corun_width: int = 1,
                     receive_requests: int = 3, timer: StepTimer | None = None) -> tuple[DeviceProfile, dict]:
     """The serving path's costs on a running `brigade serve` at `url` (of the preset the profile
@@ -122,7 +122,9 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
     - worker_step_overhead_s and token_overhead_s: what a served worker's decode step costs
       beyond the engine's fitted one, per step (its loop, the actor) and per sampled sequence
       (its chunk's way out of the engine and the actor): the mean time per token of one
-      `decode_tokens`-token answer and of `streams` at once, in `rounds` interleaved rounds,
+      `decode_tokens`-token answer and of `streams` at once, in `stream_rounds` interleaved
+      rounds (two put a disaggregated decode worker's cost per token at 1.0, 2.4 and 3.2 ms in
+      three calibrations of one day, and the 1P+1D validation's TPOT moved with it),
       less the fitted steps of those batches, as a line through the two;
     - request_overhead_s + request_overhead_per_token_s * prompt tokens, once per request (the
       door, the router's pick and index lookup, the actor calls, the prompt's ids through
@@ -270,7 +272,7 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
 
     # One stream and `streams` at once, in interleaved rounds (the machine's speed drifts):
     # what a served worker's decode step costs beyond the engine's, per step and per token.
-    widths = (1, 1, 1, streams) * rounds
+    widths = (1, 1, 1, streams) * stream_rounds
     steps, runs = [], []
     for w in widths:
         steps.append(decode_step_s(w))

@@ -71,7 +71,7 @@ def test_sim_calibrate_measures_the_serving_path_of_brigade_serve(base_url: str)
     shape = ModelShape.from_config("tiny", PRESETS["tiny"].config)
     engine_fit = DeviceProfile(name="this-machine", peak_flops=20e9, mem_bw=20e9, mem_bytes=8e9,
                                step_overhead_s=0.001, dtype_bytes=4, host_cores=2.0)
-    short = {"requests": 3, "long_len": 68, "decode_tokens": 12, "streams": 2, "rounds": 1}
+    short = {"requests": 3, "long_len": 68, "decode_tokens": 12, "streams": 2, "rounds": 1, "stream_rounds": 1}
     colocated, seen = measure_serving(base_url, engine_fit, shape, **short)
     # The line through the short and the long prompt's medians: its intercept is clamped at 0
     # when a busy moment lifts the long one (once on a loaded 2-core CI run, 3 requests each), so
