@@ -26,12 +26,12 @@ in the same benchmark run (benchmarks/_sim_validate.py has the pieces).
    the cheapest fleet of at most 3 workers whose requests meet ADVISOR_SLO at 90% under a
    bursty load (gamma arrivals, burstiness 0.25); that load is then measured on a sweep of 4
    real fleets (and on the recommended one if it is not among them), once each, first on its
-   fresh serve: every fleet runs exactly the requests and arrivals plan simulated. (Measured
-   in each try with the try's own seed, as before, a validated fleet's goodput was a median
-   over other loads, some with denser bursts, than the one fleet measured once and the one
-   simulated.) Where no fleet meets the SLO in the simulation, plan's answer is its closest
-   fleet, and raw.advisor_answer says so. `advisor_goodput_vs_best_measured` = the
-   recommended (or closest) fleet's measured goodput / the sweep's best.
+   fresh serve: every fleet runs exactly the requests and arrivals plan simulated (measured
+   in each try with the try's own seed, a validated fleet's goodput would be a median over
+   other loads, some with denser bursts, than the one simulated). Where no fleet meets the
+   SLO in the simulation, plan's answer is its closest fleet, and raw.advisor_answer says
+   so. `advisor_goodput_vs_best_measured` = the recommended (or closest) fleet's measured
+   goodput / the sweep's best.
 
 The model is the `bench` preset (random weights, no download): SmolLM2-135M, the serving
 default, costs ~4x its prefill and decode time here, so the same sweep would not fit the
@@ -115,8 +115,7 @@ def advise(profile: Path) -> dict:
 
     base = fleet_config(ONE_P_ONE_D, MODEL, profile, NUM_BLOCKS)
     cfg = PlanConfig(base=base, slo=parse_slo(ADVISOR_SLO), goodput=0.9, headroom=ADVISOR_HEADROOM, max_gpus=3,
-                     tp_sizes=(1,),
-                     policies=("kv_aware",))
+                     tp_sizes=(1,), policies=("kv_aware",))
     sessions = from_loadtest(ADVISOR_LOAD.workload(0), ADVISOR_LOAD.rates[0], burstiness=ADVISOR_LOAD.burstiness)
     return plan(cfg, sessions)
 

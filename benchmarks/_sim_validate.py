@@ -205,11 +205,10 @@ def engine_fit_around(model: str, before: dict, after: dict, serving: dict) -> d
 def _decode_steps_s(model: str, profile: dict) -> float:
     """A decode step of 1 and of 4 short sequences, as `profile` times them: the batches the
     serving terms were measured beside."""
+    from cluster.serving_costs import DECODE_TOKENS, SHORT_LEN
     from sim.cost import Roofline, StepWork
     from sim.hardware import DeviceProfile
     from sim.shapes import load_shape
-
-    from cluster.serving_costs import DECODE_TOKENS, SHORT_LEN
 
     fit = Roofline(load_shape(model), DeviceProfile.model_validate(profile))
     context = SHORT_LEN + DECODE_TOKENS // 2

@@ -302,8 +302,7 @@ def _plan(args: argparse.Namespace, slo: dict, work: list) -> int:
     if not slo:
         raise ValueError("--slo needs at least one of ttft, tpot, itl, e2el, e.g. ttft=2s,tpot=50ms")
     cfg = PlanConfig(base=fleet_config(args, counts=False), slo=slo, goodput=args.goodput, headroom=args.headroom,
-                     max_gpus=args.max_gpus,
-                     tp_sizes=tuple(int(t) for t in args.tp_sizes.split(",")),
+                     max_gpus=args.max_gpus, tp_sizes=tuple(int(t) for t in args.tp_sizes.split(",")),
                      policies=tuple(args.policies.split(",")), modes=tuple(args.modes.split(",")))
 
     within = f" ({cfg.headroom:g}x headroom)" if cfg.headroom > 1 else ""
