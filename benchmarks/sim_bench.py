@@ -15,8 +15,8 @@ Simulated (parts scale, hits, loaded; about 3 minutes quiet):
 Runs 2 and 3 scale output lengths by OUTPUT_SCALE (TTFT and hits are decided on the prefill
 side; decode only adds simulation time).
 
-Measured (parts validate, advisor; benchmarks/_sim_measured.py; about 40 minutes on a
-float32 Zen3, each validated fleet measured 3 times and compared by medians, more when the
+Measured (parts validate, advisor; benchmarks/_sim_measured.py; about 35-45 minutes on a
+float32 Zen3, each validated fleet measured 5 times and compared by medians, more when the
 machine moves under a try): real `brigade serve` fleets of the `bench` preset loaded by
 `brigade bench run`, beside simulated runs of the same fleets and requests on the profile
 `brigade sim calibrate` fits here: `sim_error_*` (serving_bench.sh's configurations and a
