@@ -202,16 +202,22 @@ def engine_fit_around(model: str, before: dict, after: dict, serving: dict) -> d
     return out | {k: serving[k] * speed for k in SERVING_TIMES if serving.get(k) is not None}
 
 
+def _fit(model: str, profile: dict):
+    """The roofline a profile (a JSON dict) gives `model`'s steps."""
+    from sim.cost import Roofline
+    from sim.hardware import DeviceProfile
+    from sim.shapes import load_shape
+
+    return Roofline(load_shape(model), DeviceProfile.model_validate(profile))
+
+
 def _decode_steps_s(model: str, profile: dict) -> float:
     """A decode step of 1 and of 4 short sequences, as `profile` times them: the batches the
     serving terms were measured beside."""
     from cluster.serving_costs import DECODE_TOKENS, SHORT_LEN
-    from sim.cost import Roofline, StepWork
-    from sim.hardware import DeviceProfile
-    from sim.shapes import load_shape
+    from sim.cost import StepWork
 
-    fit = Roofline(load_shape(model), DeviceProfile.model_validate(profile))
-    context = SHORT_LEN + DECODE_TOKENS // 2
+    fit, context = _fit(model, profile), SHORT_LEN + DECODE_TOKENS // 2
     return sum(fit.step_s(StepWork.of([(1, context, True)] * width)) for width in (1, 4))
 
 
@@ -219,12 +225,9 @@ def engine_drift(model: str, before: dict, after: dict) -> float:
     """How far this machine's speed moved between two engine fits: the largest relative
     difference of the steps a validated run is made of (a decode batch of 1 and of 4, a
     512-token prompt, a 32-token prefix hit over 512) as each fit predicts them."""
-    from sim.cost import Roofline, StepWork
-    from sim.hardware import DeviceProfile
-    from sim.shapes import load_shape
+    from sim.cost import StepWork
 
-    shape = load_shape(model)
-    fits = [Roofline(shape, DeviceProfile.model_validate(p)) for p in (before, after)]
+    fits = [_fit(model, p) for p in (before, after)]
     steps = [StepWork.of([(1, 300, True)]), StepWork.of([(1, 300, True)] * 4), StepWork.of([(512, 0, True)]),
              StepWork.of([(32, 512, True)])]
     return max(abs(fits[1].step_s(w) / fits[0].step_s(w) - 1) for w in steps)
