@@ -193,9 +193,12 @@ def engine_fit_around(model: str, before: dict, after: dict, serving: dict) -> d
     the mean step times."""
     inv = {"peak_flops": lambda p: 1 / p["peak_flops"], "mem_bw": lambda p: 1 / p["mem_bw"],
            "attn": lambda p: 1 / (p["peak_flops"] * p["attn_eff"])}
+    if before.get("decode_attn_eff") and after.get("decode_attn_eff"):
+        inv["decode_attn"] = lambda p: 1 / (p["peak_flops"] * p["decode_attn_eff"])
     mean = {k: (f(before) + f(after)) / 2 for k, f in inv.items()}
     out = {**serving, "peak_flops": 1 / mean["peak_flops"], "mem_bw": 1 / mean["mem_bw"],
-           "attn_eff": min(1.0, mean["peak_flops"] / mean["attn"])}
+           "attn_eff": min(1.0, mean["peak_flops"] / mean["attn"]),
+           "decode_attn_eff": min(1.0, mean["peak_flops"] / mean["decode_attn"]) if "decode_attn" in mean else None}
     for k in ("step_overhead_s", "seq_overhead_s"):
         out[k] = (before[k] + after[k]) / 2
     speed = _decode_steps_s(model, out) / _decode_steps_s(model, serving)
@@ -224,12 +227,13 @@ def _decode_steps_s(model: str, profile: dict) -> float:
 def engine_drift(model: str, before: dict, after: dict) -> float:
     """How far this machine's speed moved between two engine fits: the largest relative
     difference of the steps a validated run is made of (a decode batch of 1 and of 4, a
-    512-token prompt, a 32-token prefix hit over 512) as each fit predicts them."""
+    512-token prompt, a 32-token prefix hit over 512, a decode batch of 8 at 1,024 tokens) as
+    each fit predicts them."""
     from sim.cost import StepWork
 
     fits = [_fit(model, p) for p in (before, after)]
     steps = [StepWork.of([(1, 300, True)]), StepWork.of([(1, 300, True)] * 4), StepWork.of([(512, 0, True)]),
-             StepWork.of([(32, 512, True)])]
+             StepWork.of([(32, 512, True)]), StepWork.of([(1, 1024, True)] * 8)]
     return max(abs(fits[1].step_s(w) / fits[0].step_s(w) - 1) for w in steps)
 
 

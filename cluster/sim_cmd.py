@@ -32,9 +32,11 @@ Candidates (disaggregated P:D splits and colocated fleets, over --tp-sizes, unde
 Arrivals keep their process (--burstiness < 1: bursty), so queueing shows: each candidate's
 queue-time share of TTFT is printed, and the burst (the busiest 10 s window's rate) beside
 the mean rate. When none up to --max-gpus meets it, the closest (most requests meeting the
-SLO, cheapest of equals) is named, and the command exits 1. --headroom 1.3 sizes with a
-margin: a request counts only if it meets the SLO divided by 1.3 (room for the simulator's
-error, which sim_bench measures against real runs, and for bursts the workload lacks).
+SLO, cheapest of equals) is named, and the command exits 1. --headroom 1.2 sizes with a
+margin: each candidate is simulated again with every device cost 1.2x its profile's, and a
+request counts only if it meets the SLO there (room for the simulator's error, which
+sim_bench measures against real runs, a slower machine, and bursts the workload lacks:
+near its capacity a fleet's queues grow far faster than its costs).
 
 examples:
   brigade plan --model Qwen3-32B --device H200 --slo ttft=2s,tpot=50ms --workload random \\
@@ -134,9 +136,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--slo", required=True, help="e.g. ttft=2s,tpot=50ms")
     s.add_argument("--goodput", type=float, default=0.9, help="share of requests that must meet the SLO (0.9)")
     s.add_argument("--headroom", type=float, default=1.0,
-                   help="count a request only if its simulated latencies meet the SLO divided by this (>= 1; "
-                        "default 1: no margin). Size for the simulator's error: sim_bench measures it against "
-                        "real runs (docs/SIMULATOR.md), e.g. 1.3 where it predicts up to 30%% low")
+                   help="count a request only if it meets the SLO with every device cost this many times the "
+                        "profile's (>= 1; default 1: no margin). Size for the simulator's error and the "
+                        "hardware's variation: sim_bench measures both here (docs/SIMULATOR.md), e.g. 1.2 "
+                        "where predictions run up to 20%% low")
     s.add_argument("--max-gpus", type=int, default=16)
     s.add_argument("--tp-sizes", default="1,2,4,8")
     s.add_argument("--policies", default="kv_aware,round_robin")
@@ -258,8 +261,9 @@ def _calibrate(args: argparse.Namespace) -> int:
             print(f"{e['kind']:8s} {e['tokens']:5d} tokens after {e['context']:5d}  "
                   f"measured {e['measured_s'] * 1000:8.2f} ms  "
                   f"fitted {e['predicted_s'] * 1000:8.2f} ms  ({e['error']:+.1%})")
+        decode_attn = "" if profile.decode_attn_eff is None else f", a decode batch's at {profile.decode_attn_eff:.2f}"
         print(f"peak {profile.peak_flops / 1e9:.1f} GFLOP/s (attention over cached context at "
-              f"{profile.attn_eff:.2f} of it), "
+              f"{profile.attn_eff:.2f} of it{decode_attn}), "
               f"memory {profile.mem_bw / 1e9:.1f} GB/s, "
               f"step overhead {profile.step_overhead_s * 1000:.2f} ms + {profile.seq_overhead_s * 1000:.2f} ms "
               f"per sampled sequence; {profile.host_cores:g} steps at once on this host's {cores} cores")
@@ -305,10 +309,10 @@ def _plan(args: argparse.Namespace, slo: dict, work: list) -> int:
                      max_gpus=args.max_gpus, tp_sizes=tuple(int(t) for t in args.tp_sizes.split(",")),
                      policies=tuple(args.policies.split(",")), modes=tuple(args.modes.split(",")))
 
-    within = f" ({cfg.headroom:g}x headroom)" if cfg.headroom > 1 else ""
+    within = f" at {cfg.headroom:g}x the costs" if cfg.headroom > 1 else ""
 
     def show(r: dict) -> None:
-        met = f"{r['slo_met']:6.1%}" + (f" ({r['headroom_met']:6.1%} within headroom)" if within else "")
+        met = f"{r['slo_met']:6.1%}" + (f" ({r['headroom_met']:6.1%}{within})" if within else "")
         print(f"{r['gpus']:3d} GPUs  {_name(r):34s} SLO met {met}  p90 TTFT {_ms(r['p90_ttft_ms'])}"
               f"  mean TPOT {_ms(r['mean_tpot_ms'])}  queue share of TTFT {r['queue_share_of_ttft']:.0%}"
               f"{'  <- meets' if r['meets'] else ''}")

@@ -9,13 +9,18 @@ one per-sampled-sequence overhead (sim/cost.py's roofline with efficiencies 1; p
 cached prefix tell attention's rate apart), each step on the side of the roofline the fit
 itself puts it:
 
-    compute-bound: t = matmul flops / peak_flops + attention flops / (peak_flops * attn_eff) + step + seq * b
+    compute-bound: t = matmul flops / peak_flops + attention flops / (peak_flops * attn_eff)
+                       + decode attention flops / (peak_flops * decode_attn_eff) + step + seq * b
     memory-bound:  t = bytes / mem_bw + step + seq * b
 
 Attention here is the pairs against the cached context (sim/cost.py): a fresh prompt's pairs
 among its own tokens run on the dense causal kernel at about the matmuls' rate, while a prefix
-hit's and a decode step's gather their blocks and run masked, at 0.4-0.6 of it on the Zen3
-machine here. One rate for both misfit a 1,024-token prompt or the hits by up to 20%.
+hit's gather their blocks and run masked, at 0.4-0.6 of it on the Zen3 machine here. One rate
+for both misfit a 1,024-token prompt or the hits by up to 20%. A decode batch's run slower still
+(a few query rows per KV head over every sequence's gathered blocks: 0.1-0.2 of the matmuls'
+rate there), so decode batches are timed at a second, long context too and fit their own rate
+(decode_attn_eff): at the hits' rate a batch of 8 at 1,040 tokens came out 36 ms for 45 measured,
+and served decode workers under load ran 20-50% slower than simulated.
 
 A decode step does 0.5 flop per weight byte per sequence in float32 (1 in bfloat16), so where
 the machine's flops/byte ridge is low (float32 on a slow AVX2 core: 25 GFLOP/s against 47 GB/s)
@@ -62,15 +67,25 @@ def fit(shape: ModelShape, samples: list[Sample], dtype_bytes: int, name: str = 
     # Attention apart from the matmuls only where enough prefills (of several lengths and
     # cached contexts) tell them apart; otherwise it runs at their rate.
     apart = sum(s.kind == "prefill" for s in samples) >= 4
+    # And a decode batch's attention apart from a hit's where decode steps at two contexts
+    # tell it apart; otherwise it runs at the hits' rate.
+    dec_apart = len({s.work.kv_tokens // max(1, s.work.tokens) for s in samples if s.kind == "decode"}) >= 2
     y = np.array([s.seconds for s in samples])
     weights = 1 / y  # relative error, so the short decode steps count as much as long prefills
 
+    def row(w: StepWork, compute_bound: bool) -> list[float]:
+        # Columns: s/flop of the matmuls, of a hit's attention and of a decode's, s/byte, s per
+        # step, s per sampled sequence.
+        if not compute_bound:
+            return [0.0, 0.0, 0.0, r.bytes(w), 1.0, w.sampled]
+        dec = r.decode_attn_flops(w) if dec_apart else 0.0
+        attn = (r.attn_flops(w) - dec) if apart else 0.0
+        return [r.flops(w) - attn - dec, attn, dec, 0.0, 1.0, w.sampled]
+
     def solve(compute_bound: list[bool]) -> DeviceProfile:
-        # Columns: s/flop of the matmuls and of attention, s/byte, s per step, s per sampled sequence.
-        a = np.array([[r.flops(s.work) - apart * r.attn_flops(s.work), apart * r.attn_flops(s.work), 0.0, 1.0,
-                       s.work.sampled] if bound else [0.0, 0.0, r.bytes(s.work), 1.0, s.work.sampled]
-                      for s, bound in zip(samples, compute_bound)])
-        keep = [k for k in (0, 1, 2, 3, 4) if (k != 1 or apart) and (k != 2 or not all(compute_bound))]
+        a = np.array([row(s.work, bound) for s, bound in zip(samples, compute_bound)])
+        unused = {k for k, off in ((1, not apart), (2, not dec_apart), (3, all(compute_bound))) if off}
+        keep = [k for k in range(6) if k not in unused]
         while True:
             x = np.linalg.lstsq(a[:, keep] * weights[:, None], y * weights, rcond=None)[0]
             coef = dict(zip(keep, x))
@@ -78,29 +93,33 @@ def fit(shape: ModelShape, samples: list[Sample], dtype_bytes: int, name: str = 
             # pin (decode steps of a small batch read nearly the same bytes); clamping it afterwards
             # would leave the rest fitted against it, and every step predicted off by the lost
             # part. Fit again without it instead.
-            negative = [k for k in (4, 3) if k in coef and coef[k] < 0]
-            if not negative and coef.get(2, 1.0) <= 0 < coef[0] and 3 in keep:
+            negative = [k for k in (5, 4) if k in coef and coef[k] < 0]
+            if not negative and coef.get(3, 1.0) <= 0 < coef[0] and 4 in keep:
                 # Decode steps read nearly the same bytes at every batch, so their bytes term and the
                 # per-step term trade off: a large prefill intercept can leave the bytes none. The
                 # per-step time goes then (a decode step is then its bytes and its sequences).
-                negative = [3]
+                negative = [4]
             if not negative:
                 break
             keep.remove(negative[0])
-        inv_flops, inv_attn = coef[0], coef.get(1, coef[0])
+        inv_flops = coef[0]
+        inv_attn = coef.get(1, coef[0])
         if inv_flops <= 0:
             raise ValueError("the measured steps do not fit a roofline (noisy machine?); run calibrate again")
-        if 2 in coef:
-            inv_bw = coef[2]
+        if 3 in coef:
+            inv_bw = coef[3]
         else:  # every step compute-bound: the bytes are read at least as fast as the steps compute
             inv_bw = min(r.flops(s.work) * inv_flops / r.bytes(s.work) for s in samples)
         if inv_bw <= 0:
             raise ValueError("the measured steps do not fit a roofline (noisy machine?); run calibrate again")
         # Attention at the matmuls' rate or below (faster would be noise: samples without much of it).
         attn_eff = min(1.0, inv_flops / inv_attn) if inv_attn > 0 else 1.0
+        decode_attn_eff = None
+        if dec_apart:
+            decode_attn_eff = min(1.0, inv_flops / coef[2]) if coef[2] > 0 else 1.0
         return DeviceProfile(name=name, peak_flops=1 / inv_flops, mem_bw=1 / inv_bw, mem_bytes=mem_bytes,
-                             attn_eff=attn_eff,
-                             step_overhead_s=float(coef.get(3, 0.0)), seq_overhead_s=float(coef.get(4, 0.0)),
+                             attn_eff=attn_eff, decode_attn_eff=decode_attn_eff,
+                             step_overhead_s=float(coef.get(4, 0.0)), seq_overhead_s=float(coef.get(5, 0.0)),
                              dtype_bytes=dtype_bytes, intra_link="gloo-loopback", inter_link="gloo-loopback",
                              host_cores=host_cores)
 
@@ -145,13 +164,16 @@ def fit(shape: ModelShape, samples: list[Sample], dtype_bytes: int, name: str = 
 
 def measure(preset: str = "bench", prefill_lens: tuple[int, ...] = (64, 256, 512, 1024),
             extends: tuple[tuple[int, int], ...] = ((32, 512), (128, 512), (32, 1024)),
-            decode_batches: tuple[int, ...] = (1, 2, 4, 8), context: int = 256, rounds: int = 8,
+            decode_batches: tuple[int, ...] = (1, 2, 4, 8), context: int = 256,
+            long_decode_batches: tuple[int, ...] = (4, 8), long_context: int = 1024, rounds: int = 8,
             decode_steps: int = 4, threads: int | None = None,
             dtype: str = "auto") -> tuple[ModelShape, list[Sample], int]:
     """Time the real engine's steps on this machine (CPU, `dtype`; sim/step_timer.py); the samples
     and the bytes per element of the dtype the engine ran in. Prefills of fresh prompts
     (`prefill_lens`) and of (new, cached) tokens after a cached prefix (`extends`: a prefix hit's
-    step, where attention over the context is much of the work), and decode steps of `decode_batches`.
+    step, where attention over the context is much of the work), and decode steps of `decode_batches`
+    sequences of `context` tokens and of `long_decode_batches` of `long_context` (a decode batch's
+    attention over its contexts, at its own rate).
 
     A shared machine's speed drifts by a quarter within seconds (other tenants), so the kinds
     are measured in `rounds` interleaved rounds, each timing every prefill length once and
@@ -162,22 +184,25 @@ def measure(preset: str = "bench", prefill_lens: tuple[int, ...] = (64, 256, 512
     from sim.step_timer import StepTimer
 
     shape = ModelShape.from_config(preset, PRESETS[preset].config)
-    timer = StepTimer(preset, dtype, context, decode_budget=(rounds + 1) * decode_steps + 2, threads=threads)
+    timer = StepTimer(preset, dtype, context, 
+                      # A batch's first sequences decode while the last ones' prompts fill in.
+                      decode_budget=(rounds + 1) * decode_steps + 64, threads=threads)
     steps = [(n, 0) for n in prefill_lens] + list(extends)
     prefill_s: dict[tuple[int, int], list[float]] = {step: [] for step in steps}
-    decode_s: dict[int, list[float]] = {b: [] for b in decode_batches}
+    decodes = [(b, context) for b in decode_batches] + [(b, long_context) for b in long_decode_batches]
+    decode_s: dict[tuple[int, int], list[float]] = {d: [] for d in decodes}
     for r in range(rounds + 1):  # the first round is a warm-up (and caches the prefixes)
         for new, ctx in steps:
             t = timer.prefill(new, ctx)
             if r:
                 prefill_s[(new, ctx)].append(t)
-        for b in decode_batches:
-            times = timer.decode(b, decode_steps)
+        for b, c in decodes:
+            times = timer.decode(b, decode_steps, c)
             if r:
-                decode_s[b] += times
+                decode_s[(b, c)] += times
     samples = [Sample("prefill", StepWork.of([(new, ctx, True)]), statistics.mean(prefill_s[(new, ctx)]))
                for new, ctx in steps]
-    mid = context + 1 + (rounds + 1) * decode_steps // 2  # the context halfway through the timed steps
-    samples += [Sample("decode", StepWork.of([(1, mid, True)] * b), statistics.mean(decode_s[b]))
-                for b in decode_batches]
+    half = 1 + (rounds + 1) * decode_steps // 2  # the context grows by this halfway through the timed steps
+    samples += [Sample("decode", StepWork.of([(1, c + half, True)] * b), statistics.mean(decode_s[(b, c)]))
+                for b, c in decodes]
     return shape, samples, timer.dtype_bytes

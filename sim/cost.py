@@ -3,9 +3,11 @@
 A step computes `tokens` new tokens over sequences with given contexts. Per TP rank:
 
     flops = 2 * active_params * tokens + 4 * layers * q_dim * attn_pairs + 2 * hidden * vocab * sampled
+    compute = matmul flops / peak + attention over the cached context / (peak * attn_eff)
+            + a decode step's attention over its context / (peak * decode_attn_eff)
     bytes = weights read (an MoE layer reads only the experts its tokens chose)
           + KV read (context + new tokens of every sequence) + KV written (new tokens)
-    step_s = max(flops / (peak_flops * compute_eff), bytes / (mem_bw * bw_eff))
+    step_s = max(compute / compute_eff, bytes / (mem_bw * bw_eff))
            + 2 * layers all-reduces of tokens * hidden (TP > 1) + step_overhead_s
            + worker_step_overhead_s (a served worker's loop and actor per step; calibrated)
            + (seq_overhead_s + token_overhead_s) * sampled (the engine's per-sequence cost and a
@@ -34,19 +36,24 @@ class StepWork:
     # hit's, a later chunk's, every decode step's. They read the paged cache (attn_eff's rate);
     # a fresh prompt's pairs among its own tokens run on the dense causal kernel, at the matmuls'.
     ctx_pairs: float = 0.0
+    # Of ctx_pairs, those of sequences adding one token (decodes): a batch of them runs on the
+    # decode kernel, a few query rows per KV head over every sequence's gathered blocks, far
+    # below a prefix hit's rate on a CPU (decode_attn_eff).
+    dec_pairs: float = 0.0
 
     @classmethod
     def of(cls, items: Iterable[tuple[int, int, bool]]) -> StepWork:
         """From (new tokens, context before, samples) per sequence."""
         tokens = sampled = kv = 0
-        pairs = ctx_pairs = 0.0
+        pairs = ctx_pairs = dec_pairs = 0.0
         for new, ctx, samples in items:
             tokens += new
             sampled += samples
             pairs += new * (ctx + (new + 1) / 2)
             ctx_pairs += new * ctx
+            dec_pairs += ctx if new == 1 else 0
             kv += ctx + new
-        return cls(tokens, sampled, pairs, kv, ctx_pairs)
+        return cls(tokens, sampled, pairs, kv, ctx_pairs, dec_pairs)
 
 
 class Roofline:
@@ -71,8 +78,12 @@ class Roofline:
         return (self._token_flops * w.tokens + self._pair_flops * w.attn_pairs + self._head_flops * w.sampled) / self.tp
 
     def attn_flops(self, w: StepWork) -> float:
-        """The query-key part of flops() over the cached context (what runs at the device's attn_eff)."""
+        """The query-key part of flops() over the cached context, decodes' included."""
         return self._pair_flops * w.ctx_pairs / self.tp
+
+    def decode_attn_flops(self, w: StepWork) -> float:
+        """Of attn_flops(), the decodes' (what runs at the device's decode_attn_eff)."""
+        return self._pair_flops * w.dec_pairs / self.tp
 
     def bytes(self, w: StepWork) -> float:
         weights = self._dense_bytes
@@ -83,8 +94,10 @@ class Roofline:
         return (weights + self._kv_token * (w.kv_tokens + w.tokens)) / self.tp
 
     def compute_s(self, w: StepWork) -> float:
-        attn = self.attn_flops(w)
-        return (self.flops(w) - attn + attn / self.device.attn_eff) / self._flops_per_s
+        d = self.device
+        attn, dec = self.attn_flops(w), self.decode_attn_flops(w)
+        dec_eff = d.attn_eff if d.decode_attn_eff is None else d.decode_attn_eff
+        return (self.flops(w) - attn + (attn - dec) / d.attn_eff + dec / dec_eff) / self._flops_per_s
 
     def memory_s(self, w: StepWork) -> float:
         return self.bytes(w) / self._bytes_per_s
@@ -109,7 +122,7 @@ class Roofline:
         and the last step the times are exactly linear in between."""
         def work(j: int) -> StepWork:
             kv = context + batch * (j + 1)
-            return StepWork(batch, batch, kv, kv, kv - batch)
+            return StepWork(batch, batch, kv, kv, kv - batch, kv - batch)
 
         a, b = work(0), work(steps - 1)
         if steps < 3 or self.compute_bound(a) != self.compute_bound(b):

@@ -32,6 +32,7 @@ class FleetConfig(BaseModel):
 
     model: str = "Qwen3-32B"  # a config.json, a shipped shape (sim/data/models) or an engine preset
     device: str = "H200"  # a catalog name or a calibrated profile JSON
+    slowdown: float = Field(1.0, ge=1)  # every cost of the device this many times its profile's (plan's headroom)
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     prefill: int = Field(1, ge=0)  # colocated: the number of mixed workers is prefill + decode
     decode: int = Field(1, ge=0)
@@ -85,7 +86,7 @@ class Fleet:
 
     def __init__(self, cfg: FleetConfig):
         self.cfg = cfg
-        self.shape, self.device = load_shape(cfg.model), load_device(cfg.device)
+        self.shape, self.device = load_shape(cfg.model), load_device(cfg.device).slowed(cfg.slowdown)
         self.link = load_link(cfg.link or self.device.inter_link)
         self.network = Network()
         self.index = MemoryIndex()

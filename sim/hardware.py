@@ -34,6 +34,11 @@ class DeviceProfile(_Frozen):
     # paged attention runs well below its GEMMs: a fifth to a third on the machine here; calibrate
     # fits it from prefills over cached prefixes). 1 for the catalog's GPUs (fused kernels).
     attn_eff: float = Field(1.0, gt=0, le=1)
+    # The same for a decode batch's attention over its contexts (None: attn_eff). A CPU engine
+    # gathers every sequence's blocks and runs a few query rows per KV head: on the Zen3 machine
+    # here a batch of 8 at 1,040 tokens of context stepped in 45 ms, where attn_eff, fitted on
+    # prefix hits, gave 36 (calibrate fits it from decode batches at two contexts).
+    decode_attn_eff: float | None = Field(None, gt=0, le=1)
     step_overhead_s: float = Field(0.0, ge=0)  # per engine step: launches, scheduling, sampling
     # Per sampled sequence per step, inside the engine: sampling and each sequence's own
     # bookkeeping (calibrate fits it; a GPU's batched sampler makes it negligible there).
@@ -81,6 +86,18 @@ class DeviceProfile(_Frozen):
     dtype_bytes: int = Field(2, ge=1)  # weights and KV
     intra_link: str = "nvlink4"  # between the ranks of one TP group
     inter_link: str = "rdma-ndr400"  # between a prefill and a decode worker
+
+    def slowed(self, factor: float) -> DeviceProfile:
+        """This device with every cost `factor` times as large: its rates divided by it, every
+        time (per step, per sequence, per token, per request, the serving path's) multiplied.
+        Links keep their own figures."""
+        if factor < 1:
+            raise ValueError(f"a slowdown is >= 1, not {factor}")
+        if factor == 1:
+            return self
+        times = {k: v * factor for k, v in self if k.endswith("_s") and v is not None}
+        return self.model_copy(update={"peak_flops": self.peak_flops / factor, "mem_bw": self.mem_bw / factor,
+                                       **times})
 
 
 def _catalog() -> dict:

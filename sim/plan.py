@@ -7,10 +7,14 @@ fleet sized for the mean rate fails the SLO and the search moves on to one sized
 bursts. The answer reports each candidate's queue-time share of TTFT, which is what a
 planner that ignores queueing cannot see.
 
-A headroom above 1 sizes with a margin: a request counts only if its simulated latencies
-are within the SLO divided by it, so a fleet the simulation puts just inside the SLO (where
-a prediction that is 20-30% low, as sim_bench measures on a busy 2-core host, or a burst the
-workload did not show, tips it over) is passed over for one that meets it with room.
+A headroom above 1 sizes with a margin: each candidate is simulated again on the device
+with every cost that many times its profile's, and a request counts only if it meets the SLO
+there. Near its capacity a fleet's queues grow much faster than its steps: one colocated
+worker on sim_bench's bursty load here met the SLO with every request at the calibrated
+speed and with 79% at 1.2x its costs, and measured runs of it met it with 20-95% (this
+machine's speed drifts by 15-30% within minutes). A margin on the costs finds the fleet that
+a slower moment, a prediction 20% low or a burst the workload did not show tips over;
+dividing the SLO by the same factor did not (that fleet stayed inside 1.5 s / 1.3).
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ class PlanConfig(BaseModel):
     base: FleetConfig = FleetConfig()  # model, device, block size, scheduler, router settings
     slo: dict[str, float]  # seconds per key: ttft, tpot, itl, e2el (loadtest.metrics)
     goodput: float = Field(0.9, gt=0, le=1)  # share of requests that must meet every SLO
-    headroom: float = Field(1.0, ge=1)  # a request counts if it meets every SLO divided by this
+    headroom: float = Field(1.0, ge=1)  # a request counts if it meets the SLO with every device cost times this
     max_gpus: int = Field(16, ge=1)
     tp_sizes: tuple[int, ...] = (1, 2, 4, 8)
     policies: tuple[str, ...] = ("kv_aware", "round_robin")
@@ -70,14 +74,16 @@ def candidates(cfg: PlanConfig) -> Iterator[tuple[int, dict]]:
 
 
 def evaluate(cfg: PlanConfig, fleet: FleetConfig, sessions: list[SimSession]) -> dict:
+    """One candidate simulated on the profile (its figures and `slo_met`) and, with a headroom,
+    again with every device cost times it (`headroom_met`, what `meets` goes by)."""
+    def share(run: dict) -> float:
+        recs = run["records"]
+        return sum(meets_slo(r, cfg.slo) for r in recs) / len(recs) if recs else 0.0
+
     run = simulate(fleet, sessions, cfg.slo)
-    recs = run["records"]
-    margin = {k: v / cfg.headroom for k, v in cfg.slo.items()}
-
-    def share(slo: dict[str, float]) -> float:
-        return sum(meets_slo(r, slo) for r in recs) / len(recs) if recs else 0.0
-
-    met, within = share(cfg.slo), share(margin)
+    met = share(run)
+    within = met if cfg.headroom == 1 else share(
+        simulate(fleet.model_copy(update={"slowdown": fleet.slowdown * cfg.headroom}), sessions, cfg.slo))
     return {"mode": fleet.mode, "prefill": fleet.prefill, "decode": fleet.decode, "prefill_tp": fleet.prefill_tp,
             "decode_tp": fleet.decode_tp, "policy": fleet.router.policy, "gpus": fleet.gpus, "slo_met": met,
             "headroom_met": within,

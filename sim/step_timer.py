@@ -21,7 +21,8 @@ def tokens(n: int, salt: int) -> list[int]:
 
 class StepTimer:
     """One engine for prompts (its prefix cache holds each context once) and one per decode batch
-    (its sequences keep running, `context` tokens of prompt each, for up to `decode_budget` steps)."""
+    and context (its sequences keep running, `context` tokens of prompt each unless a decode
+    names another, for up to `decode_budget` steps)."""
 
     def __init__(self, preset: str = "bench", dtype: str = "auto", context: int = 256, decode_budget: int = 1000,
                  threads: int | None = None):
@@ -34,7 +35,7 @@ class StepTimer:
         self._salts = count(1)
         self._prefiller = self._engine(prefix_cache=True)
         self._prefixes: dict[int, list[int]] = {}
-        self._decoders: dict[int, LLMEngine] = {}
+        self._decoders: dict[tuple[int, int], LLMEngine] = {}
 
     @property
     def dtype_bytes(self) -> int:
@@ -72,13 +73,15 @@ class StepTimer:
                                     SamplingParams(max_tokens=1))
         return self._timed(self._prefiller)
 
-    def decode(self, batch: int, steps: int) -> list[float]:
-        """Seconds of each of `steps` decode steps of `batch` running sequences."""
-        engine = self._decoders.get(batch)
+    def decode(self, batch: int, steps: int, context: int | None = None) -> list[float]:
+        """Seconds of each of `steps` decode steps of `batch` running sequences of `context`
+        tokens of prompt (None: the timer's)."""
+        context = context or self.context
+        engine = self._decoders.get((batch, context))
         if engine is None:
-            engine = self._decoders[batch] = self._engine()
+            engine = self._decoders[(batch, context)] = self._engine()
             for i in range(batch):
-                engine.add_request(f"d{next(self._ids)}", [11 + (i + j) % 1000 for j in range(self.context)],
+                engine.add_request(f"d{next(self._ids)}", [11 + (i + j) % 1000 for j in range(context)],
                                    SamplingParams(max_tokens=self.decode_budget, ignore_eos=True))
             while engine.scheduler.waiting or any(s.num_computed < s.num_prompt_tokens
                                                   for s in engine.scheduler.running):

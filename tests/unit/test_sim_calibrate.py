@@ -72,6 +72,28 @@ def test_attention_below_the_matmuls_rate_is_fitted_from_prefills_over_cached_pr
     assert Roofline(shape, profile).step_s(hit) > at_matmul_rate.step_s(hit)
 
 
+def test_a_decode_batchs_attention_gets_its_own_rate_from_batches_at_two_contexts() -> None:
+    """A CPU engine's decode batch gathers every sequence's blocks and runs a few query rows per
+    KV head, far below a prefix hit's rate: with decode batches at a second, long context the
+    fit tells the two apart; with one context it keeps the hits' rate for both."""
+    shape = load_shape("bench")
+    truth = DeviceProfile(name="t", peak_flops=70e9, mem_bw=100e9, mem_bytes=8e9, attn_eff=0.75,
+                          decode_attn_eff=0.12, step_overhead_s=0.013, seq_overhead_s=0.001, dtype_bytes=4)
+    r = Roofline(shape, truth)
+    works = [("prefill", StepWork.of([(n, 0, True)])) for n in (64, 256, 512, 1024)]
+    works += [("prefill", StepWork.of([(n, ctx, True)])) for n, ctx in ((32, 512), (128, 512), (32, 1024))]
+    short = [("decode", StepWork.of([(1, 275, True)] * b)) for b in (1, 2, 4, 8)]
+    long = [("decode", StepWork.of([(1, 1043, True)] * b)) for b in (4, 8)]
+    profile, report = fit(shape, [Sample(k, w, r.step_s(w)) for k, w in works + short + long], dtype_bytes=4)
+    assert profile.decode_attn_eff == pytest.approx(0.12, rel=1e-6)
+    assert profile.attn_eff == pytest.approx(0.75, rel=1e-6)
+    assert report["max_abs_error"] < 1e-6
+    one_context, _ = fit(shape, [Sample(k, w, r.step_s(w)) for k, w in works + short], dtype_bytes=4)
+    assert one_context.decode_attn_eff is None
+    batch = StepWork.of([(1, 1043, True)] * 8)
+    assert Roofline(shape, one_context).step_s(batch) < 0.9 * r.step_s(batch)  # what it cannot see
+
+
 def test_decode_batches_past_the_ridge_are_fitted_compute_bound_not_as_per_sequence_overhead() -> None:
     """float32 on a slow AVX2 core: 25 GFLOP/s against 40-47 GB/s, so a decode batch of 2 or more
     computes longer than it reads. Fitted as bytes, its flops would land in the per-sequence

@@ -57,7 +57,7 @@ def test_plan_with_headroom_says_so(tmp_path: Path, capsys: pytest.CaptureFixtur
     result = json.loads(out.read_text())
     printed = capsys.readouterr().out
     assert code == 0 and result["headroom"] == 1.5 and result["recommended"]["headroom_met"] >= 0.9
-    assert "within headroom" in printed and "(1.5x headroom)" in printed
+    assert "% at 1.5x the costs)" in printed and "meet the SLO at 1.5x the costs" in printed
 
 
 @pytest.mark.parametrize(("argv", "message"), [

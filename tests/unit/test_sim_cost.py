@@ -76,7 +76,7 @@ def test_a_served_workers_token_overhead_is_paid_per_sampled_sequence() -> None:
     assert served.step_s(chunk) == pytest.approx(plain.step_s(chunk))
     # decode_steps_s stays exact with it (a constant per step for a fixed batch).
     assert served.decode_steps_s(4, 300, 10) == pytest.approx(
-        [served.step_s(StepWork(4, 4, 300 + 4 * (j + 1), 300 + 4 * (j + 1))) for j in range(10)])
+        [served.step_s(StepWork.of([(1, 300 // 4 + j, True)] * 4)) for j in range(10)])
 
 
 def test_attention_below_the_matmuls_rate_slows_only_pairs_against_the_cached_context() -> None:
@@ -92,3 +92,35 @@ def test_attention_below_the_matmuls_rate_slows_only_pairs_against_the_cached_co
     r = Roofline(shape, slow)
     steps = r.decode_steps_s(4, 4 * 300, 5)  # the steady path's steps equal the step-by-step ones
     assert steps == pytest.approx([r.step_s(StepWork.of([(1, 300 + j, True)] * 4)) for j in range(5)])
+
+
+def test_a_decode_batchs_attention_runs_at_its_own_rate() -> None:
+    """decode_attn_eff slows a decode's pairs against its context, not a prefix hit's; unset,
+    they run at attn_eff."""
+    shape = load_shape("bench")
+    base = load_device("cpu-2core").model_copy(update={"attn_eff": 0.75})
+    slow = base.model_copy(update={"decode_attn_eff": 0.1})
+    decode, hit = StepWork.of([(1, 1000, True)] * 8), StepWork.of([(32, 1024, True)])
+    assert decode.dec_pairs == 8 * 1000 and hit.dec_pairs == 0
+    assert Roofline(shape, slow).compute_s(hit) == pytest.approx(Roofline(shape, base).compute_s(hit))
+    extra = Roofline(shape, base).attn_flops(decode) * (1 / 0.1 - 1 / 0.75) / base.peak_flops
+    assert Roofline(shape, slow).compute_s(decode) == pytest.approx(Roofline(shape, base).compute_s(decode) + extra)
+    same = base.model_copy(update={"decode_attn_eff": 0.75})
+    assert Roofline(shape, same).compute_s(decode) == pytest.approx(Roofline(shape, base).compute_s(decode))
+    r = Roofline(shape, slow)
+    assert r.decode_steps_s(4, 4 * 300, 5) == pytest.approx([r.step_s(StepWork.of([(1, 300 + j, True)] * 4))
+                                                             for j in range(5)])
+
+
+def test_a_slowed_device_takes_every_cost_times_the_factor() -> None:
+    dev = load_device("cpu-2core").model_copy(update={"decode_token_overhead_s": 0.001, "stream_cpu_s": 0.004,
+                                                      "corun_slowdown": 1.5})
+    slow = dev.slowed(1.25)
+    assert slow.decode_token_overhead_s == pytest.approx(0.00125) and slow.stream_cpu_s == pytest.approx(0.005)
+    assert slow.decode_worker_step_overhead_s is None and slow.corun_slowdown == 1.5  # a ratio, not a cost
+    assert slow.host_cores == dev.host_cores and dev.slowed(1.0) is dev
+    shape = load_shape("bench")
+    for w in (StepWork.of([(512, 0, True)]), StepWork.of([(1, 700, True)] * 6), StepWork.of([(32, 1024, True)])):
+        assert Roofline(shape, slow).step_s(w) == pytest.approx(1.25 * Roofline(shape, dev).step_s(w))
+    with pytest.raises(ValueError, match=">= 1"):
+        dev.slowed(0.8)

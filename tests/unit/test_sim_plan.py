@@ -36,16 +36,19 @@ def test_an_unreachable_slo_names_the_closest_fleet() -> None:
     assert met["recommended"] is not None and met["closest"] is None
 
 
-def test_headroom_passes_over_a_fleet_just_inside_the_slo() -> None:
-    """3 workers meet a 300 ms TTFT for every request, but 15% of them above 200 ms: with 1.5x
-    headroom they count as missing it, and the answer is 4 workers; without it, 3."""
+def test_headroom_passes_over_a_fleet_that_a_slower_device_tips_over() -> None:
+    """3 workers meet a 300 ms TTFT for every request at the profile's speed, but with every
+    cost 1.2x only 83% of them do: with 1.2x headroom the answer is 4 workers; without it, 3.
+    A headroom is the plain search on the slowed device."""
     cfg = SEARCH.model_copy(update={"slo": {"ttft": 0.3}})
     work = from_loadtest(WORK, rate=8.0, arrival="poisson", burstiness=0.5)
-    plain, margin = plan(cfg, work), plan(cfg.model_copy(update={"headroom": 1.5}), work)
+    plain, margin = plan(cfg, work), plan(cfg.model_copy(update={"headroom": 1.2}), work)
     assert plain["recommended"]["gpus"] == 3 and plain["recommended"]["headroom_met"] == plain["recommended"]["slo_met"]
     three = next(t for t in margin["tried"] if t["gpus"] == 3)
     assert three["slo_met"] == 1.0 and three["headroom_met"] < cfg.goodput and not three["meets"]
-    assert margin["recommended"]["gpus"] == 4 and margin["headroom"] == 1.5
+    assert margin["recommended"]["gpus"] == 4 and margin["headroom"] == 1.2
+    slowed = plan(cfg.model_copy(update={"base": cfg.base.model_copy(update={"slowdown": 1.2})}), work)
+    assert [t["slo_met"] for t in slowed["tried"]] == [t["headroom_met"] for t in margin["tried"]]
 
 
 def test_candidates_come_cheapest_first_and_fit_the_device() -> None:

@@ -16,9 +16,12 @@ def test_it_times_fresh_prompts_and_decode_batches_of_the_real_engine() -> None:
     assert timer._prefiller.stats()["prefix_hit_rate"] == 0  # distinct prompts share no block
     times = timer.decode(3, 4)
     assert len(times) == 4 and all(t > 0 for t in times)
-    assert timer._decoders[3].stats()["running"] == 3
+    assert timer._decoders[(3, 16)].stats()["running"] == 3
     with pytest.raises(RuntimeError, match="ran out"):
         timer.decode(3, 3)  # the prompt's step's token + 4 + 3 > 6: its sequences finished
+    assert len(timer.decode(3, 2, context=40)) == 2  # a batch at another context: an engine of its own
+    running = timer._decoders[(3, 40)].scheduler.running
+    assert len(running) == 3 and all(s.num_prompt_tokens == 40 for s in running)
 
 
 def test_a_hit_computes_only_its_new_tokens_after_the_cached_prefix() -> None:

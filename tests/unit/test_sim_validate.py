@@ -118,6 +118,9 @@ def test_a_try_s_profile_scales_the_serving_terms_by_the_engine_s_move() -> None
             assert out[key] == pytest.approx(serving[key] * 1.3), key
     assert out["stream_cpu_s"] == pytest.approx(0.0052) and out["corun_slowdown"] == 1.5
     assert engine_fit_around("bench", serving, serving, serving) == pytest.approx(serving)
+    # A decode batch's attention rate: the mean of the fits' per-flop times, as the others.
+    fast, slow = ({**serving, "decode_attn_eff": e} for e in (0.2, 0.1))
+    assert engine_fit_around("bench", fast, slow, serving)["decode_attn_eff"] == pytest.approx(1 / 7.5)
 
 
 def test_a_fleets_tries_are_compared_by_each_figures_median() -> None:
