@@ -17,8 +17,8 @@ Attention here is the pairs against the cached context (sim/cost.py): a fresh pr
 among its own tokens run on the dense causal kernel at about the matmuls' rate, while a prefix
 hit's gather their blocks and run masked, at 0.4-0.6 of it on the Zen3 machine here. One rate
 for both misfit a 1,024-token prompt or the hits by up to 20%. A decode batch's run slower still
-(a few query rows per KV head over every sequence's gathered blocks: 0.1-0.2 of the matmuls'
-rate there), so decode batches are timed at a second, long context too and fit their own rate
+(a few query rows per KV head over every sequence's gathered blocks: 0.12-0.16 of the
+matmuls' rate there), so decode batches are timed at a second, long context too and fit their own rate
 (decode_attn_eff): at the hits' rate a batch of 8 at 1,040 tokens came out 36 ms for 45 measured,
 and served decode workers under load ran 20-50% slower than simulated.
 
@@ -102,8 +102,7 @@ def fit(shape: ModelShape, samples: list[Sample], dtype_bytes: int, name: str = 
             if not negative:
                 break
             keep.remove(negative[0])
-        inv_flops = coef[0]
-        inv_attn = coef.get(1, coef[0])
+        inv_flops, inv_attn = coef[0], coef.get(1, coef[0])
         if inv_flops <= 0:
             raise ValueError("the measured steps do not fit a roofline (noisy machine?); run calibrate again")
         if 3 in coef:
@@ -184,9 +183,8 @@ def measure(preset: str = "bench", prefill_lens: tuple[int, ...] = (64, 256, 512
     from sim.step_timer import StepTimer
 
     shape = ModelShape.from_config(preset, PRESETS[preset].config)
-    timer = StepTimer(preset, dtype, context, 
-                      # A batch's first sequences decode while the last ones' prompts fill in.
-                      decode_budget=(rounds + 1) * decode_steps + 64, threads=threads)
+    # A batch's first sequences decode while its last ones' prompts fill in: budget for those steps too.
+    timer = StepTimer(preset, dtype, context, decode_budget=(rounds + 1) * decode_steps + 64, threads=threads)
     steps = [(n, 0) for n in prefill_lens] + list(extends)
     prefill_s: dict[tuple[int, int], list[float]] = {step: [] for step in steps}
     decodes = [(b, context) for b in decode_batches] + [(b, long_context) for b in long_decode_batches]
