@@ -73,6 +73,7 @@ class Roofline:
         self._head_flops = 2 * shape.hidden * shape.vocab
         self._flops_per_s = device.peak_flops * device.compute_eff
         self._bytes_per_s = device.mem_bw * device.bw_eff
+        self._decode_attn_eff = device.attn_eff if device.decode_attn_eff is None else device.decode_attn_eff
 
     def flops(self, w: StepWork) -> float:
         return (self._token_flops * w.tokens + self._pair_flops * w.attn_pairs + self._head_flops * w.sampled) / self.tp
@@ -94,10 +95,9 @@ class Roofline:
         return (weights + self._kv_token * (w.kv_tokens + w.tokens)) / self.tp
 
     def compute_s(self, w: StepWork) -> float:
-        d = self.device
         attn, dec = self.attn_flops(w), self.decode_attn_flops(w)
-        dec_eff = d.attn_eff if d.decode_attn_eff is None else d.decode_attn_eff
-        return (self.flops(w) - attn + (attn - dec) / d.attn_eff + dec / dec_eff) / self._flops_per_s
+        matmuls = self.flops(w) - attn
+        return (matmuls + (attn - dec) / self.device.attn_eff + dec / self._decode_attn_eff) / self._flops_per_s
 
     def memory_s(self, w: StepWork) -> float:
         return self.bytes(w) / self._bytes_per_s
