@@ -16,7 +16,7 @@ import psutil
 from cluster.steal import StealMeter, cpu_times_s
 from loadtest.targets import TargetConfig, make_target
 from loadtest.types import Message, Prompt
-from sim.corun import HitScene, HitTtfts, fit_corun
+from sim.corun import HitScene, HitTtfts, fit_corun, handoff_to_match
 from sim.cost import Roofline, StepWork
 from sim.hardware import DeviceProfile
 from sim.shapes import ModelShape
@@ -113,7 +113,7 @@ def _serving_cpu_s(since: CpuSample, until: CpuSample) -> float:
 def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggregated: bool = False,
                     requests: int = 8, short_len: int = SHORT_LEN, long_len: int = 516,
                     decode_tokens: int = DECODE_TOKENS,
-                    streams: int = 4, rounds: int = 2, stream_rounds: int = 4, idle_s: float = 3.0,
+                    streams: int = 4, rounds: int = 4, stream_rounds: int = 4, idle_s: float = 3.0,
                     block_size: int = 16, corun_width: int = 1,
                     receive_requests: int = 3, timer: StepTimer | None = None) -> tuple[DeviceProfile, dict]:
     """The serving path's costs on a running `brigade serve` at `url` (of the preset the profile
@@ -139,7 +139,9 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
     - host_cores: the cores this process may run on (the serve runs on the same machine).
     A disaggregated one (`disaggregated`, measured after the colocated one) gives
     handoff_overhead_s: what its short TTFT holds beyond that (the decode worker's reservation
-    and the prefill worker's answer, actor calls the simulated network does not time), and
+    and the prefill worker's answer, actor calls the simulated network does not time), set
+    again on a CPU host so that the co-run scene's lone hits (below) take what they were
+    measured to (sim/corun.py's handoff_to_match), and
     decode_worker_step_overhead_s and decode_token_overhead_s: the same two of its decode
     worker, from the same streams; on a CPU host kv_receive_cpu_per_token_s: the decode
     worker's CPU per request of `receive_requests` distinct `long_len`-token prompts and of
@@ -148,7 +150,9 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
     median TTFTs of prefix hits (2 tokens each) sent one at a time alone and beside
     `corun_width` long answers, in `rounds` interleaved rounds, alternately of a
     `long_len`-token prompt (its full blocks cached) and of those blocks with more new tokens
-    of their own, whose growths the simulator is fitted to (sim/corun.py). One answer, not
+    of their own, whose growths the simulator is fitted to (sim/corun.py). Four rounds, not
+    two: with six short hits a width in each, two calibrations put the short hits' growth at
+    24 and 37 ms (and the fit's wait at 2.5 and 20 ms), three longer scenes at 27-29. One answer, not
     two: beside two, sharing the cores already gave the long hits most of their measured
     growth in the simulation, and the fit put the rest in a fixed 25 ms wait and no ceiling,
     which predicted the validation's 1P+1D tries worse than the one-answer fit (10 ms, 1.35).
@@ -323,7 +327,12 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
                     short += got[0]
                     long += got[1]
             alone, beside = (HitTtfts(*map(statistics.median, v)) for v in ttfts.values())
-            profile, fit_seen = fit_corun(profile, scene, alone, beside)
+            handoff, sim_alone = handoff_to_match(profile, scene, alone)
+            seen |= {"handoff_from_cold_s": profile.handoff_overhead_s,
+                     "simulated_alone_at_that_short_s": sim_alone.short_s,
+                     "simulated_alone_at_that_long_s": sim_alone.long_s}
+            profile, fit_seen = fit_corun(profile.model_copy(update={"handoff_overhead_s": handoff}), scene, alone,
+                                          beside)
             seen |= {"hit_alone_s": alone.short_s, f"hit_beside_{corun_width}_s": beside.short_s,
                      "long_hit_alone_s": alone.long_s, f"long_hit_beside_{corun_width}_s": beside.long_s} | fit_seen
         return profile, seen | {"steal_share": stolen.share()}

@@ -91,6 +91,7 @@ def test_sim_calibrate_measures_the_serving_path_of_brigade_serve(base_url: str)
     assert 0 <= disagg.decode_admit_overhead_s < seen["second_token_gap_1_stream_s"]
     assert disagg.decode_token_overhead_s is not None and disagg.decode_token_overhead_s >= 0
     assert disagg.decode_worker_step_overhead_s is not None and disagg.handoff_overhead_s >= 0
+    assert seen["handoff_from_cold_s"] >= 0 and seen["simulated_alone_at_that_short_s"] > 0  # set again from them
     assert 1.0 <= disagg.corun_slowdown <= 4.0
     assert disagg.kv_receive_cpu_per_token_s >= 0  # the decode worker's CPU per KV token it takes in
     assert seen["decode_cpu_per_request_68_s"] > 0 and seen["decode_cpu_per_request_4_s"] > 0

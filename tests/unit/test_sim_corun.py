@@ -1,11 +1,11 @@
 """corun_wait_s and corun_slowdown are fitted by simulating the measured scene (sim/corun.py):
 the fit finds the wait and the slowdown that made a scene's short and long hits slower, and
-none where sharing the cores explains it all."""
+none where sharing the cores explains it all; the handoff is set from the scene's lone hits."""
 from __future__ import annotations
 
 import pytest
 
-from sim.corun import HitScene, HitTtfts, fit_corun, hit_ttfts
+from sim.corun import HitScene, HitTtfts, fit_corun, handoff_to_match, hit_ttfts
 from sim.hardware import load_device
 
 # About this machine's speed (the 2-core Zen3 in float32): steps of tens of ms, as measured
@@ -59,3 +59,22 @@ def test_growth_beyond_the_model_stops_at_the_bound_and_says_so() -> None:
     fitted, seen = fit_corun(HOST, SCENE, alone, beside, **GRID)
     assert seen["at_bound"] and seen["simulated_growth_short_s"] < 10.0
     assert (fitted.corun_wait_s, fitted.corun_slowdown) == (0.03, 2.0)  # the grid's largest
+
+
+def test_the_handoff_is_what_the_lone_hits_took_beyond_the_simulation() -> None:
+    made = hit_ttfts(HOST.model_copy(update={"handoff_overhead_s": 0.012}), SCENE, width=0)
+    handoff, sim = handoff_to_match(HOST, SCENE, made)
+    assert handoff == pytest.approx(0.012, abs=0.001)
+    assert sim == hit_ttfts(HOST, SCENE, width=0)
+    # from a profile whose handoff was too long: it comes down, and never below zero
+    assert handoff_to_match(HOST.model_copy(update={"handoff_overhead_s": 0.03}), SCENE, made)[0] == pytest.approx(
+        0.012, abs=0.001)
+    faster = HitTtfts(sim.short_s - 0.02, sim.long_s - 0.02)
+    assert handoff_to_match(HOST, SCENE, faster)[0] == 0.0
+
+
+def test_the_scene_is_simulated_at_spread_phases() -> None:
+    one = hit_ttfts(HOST, HitScene("bench", width=1, phases=1), width=1)
+    spread = hit_ttfts(HOST, SCENE)
+    assert SCENE.phases > 1 and spread != one  # more samples, at other phases of the decode steps
+    assert abs(spread.short_s - one.short_s) < SCENE.phase_window_s + 0.03  # the same scene, not another
