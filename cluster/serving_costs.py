@@ -152,8 +152,8 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
     `long_len`-token prompt (its full blocks cached) and of those blocks with more new tokens
     of their own, whose growths the simulator is fitted to (sim/corun.py). Four rounds, not
     two: with six short hits a width in each, two calibrations put the short hits' growth at
-    24 and 37 ms (and the fit's wait at 2.5 and 20 ms), three longer scenes at 27-29. One answer, not
-    two: beside two, sharing the cores already gave the long hits most of their measured
+    24 and 37 ms (and the fit's wait at 2.5 and 20 ms), three longer scenes at 27-29. One
+    answer, not two: beside two, sharing the cores already gave the long hits most of their measured
     growth in the simulation, and the fit put the rest in a fixed 25 ms wait and no ceiling,
     which predicted the validation's 1P+1D tries worse than the one-answer fit (10 ms, 1.35).
     `timer` (sim/step_timer.py, the engine of the same preset and threads as a served worker)

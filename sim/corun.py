@@ -99,8 +99,10 @@ def handoff_to_match(profile: DeviceProfile, scene: HitScene, alone: HitTtfts) -
     least 0), and the simulated lone hits it started from. The scene's lone hits are measured on
     the same serve and in the same minutes as what the fit compares them with; the handoff
     taken from a cold prompt's TTFT against the colocated serve's request overhead is a
-    difference of medians from two serves at two moments, and was 0.0 in one calibration where
-    these lone hits said 8.6 and 2.3 ms."""
+    difference of medians from two serves at two moments: it was 0.0 in one calibration where
+    these lone hits said 8.6 and 2.3 ms, and 0.0 and 1.1 ms in two more where this gave 18.2
+    and 18.4 (re-simulated with the cold prompt's, the first of those runs' disaggregated p50
+    TTFTs were 24-43% low; with this one, 2-25%)."""
     sim = hit_ttfts(profile, scene, width=0)
     miss = ((alone.short_s - sim.short_s) + (alone.long_s - sim.long_s)) / 2
     return max(0.0, profile.handoff_overhead_s + miss), sim
