@@ -61,6 +61,7 @@ from _sim_validate import (
     fleet_config,
     serve,
     simulate_load,
+    step_speed,
     ttft_samples,
 )
 
@@ -206,6 +207,10 @@ def run(out_dir: Path, quick: bool, parts: set[str]) -> tuple[dict, dict]:
     ratios["advisor_goodput_vs_best_measured"] = None
     if "validate" in parts:
         runs = compare(validation, measured, profiles)
+        for r in runs:  # where a miss comes from: the steps' speed, or the queueing around them
+            speed = "; ".join(f"{kind} steps {v['wall_vs_simulated']:.2f}x simulated, CPU {v['cpu_vs_alone']:.2f}x "
+                              "alone" for kind, v in r["step_speed"].items()) or "steps not counted"
+            print(f"  {r['fleet']} at {r['rate']:g} req/s: {speed}", flush=True)
         raw["fleet_profiles"] = {name: [json.loads(p.read_text()) for p, _ in kept] for name, kept in profiles.items()}
         for key in ratios:
             if key.startswith("sim_error_"):
@@ -253,13 +258,25 @@ def compare(validation, measured: dict, profiles: dict[str, list[tuple[Path, int
         for i, rate in enumerate(load.rates):
             ms, ss = [m[i] for m, _ in tries], [s[i] for _, s in tries]
             m_med, s_med = _median_figures(ms), _median_figures(ss)
+            speeds = [step_speed(m, s) for m, s in zip(ms, ss)]
             runs.append({"fleet": fleet.name, "rate": rate, "errors": errors(m_med, s_med),
-                         "measured": m_med, "simulated": s_med,
-                         "tries": [{"errors": errors(m, s), "measured": _figures(m), "simulated": _figures(s)}
-                                   for m, s in zip(ms, ss)],
+                         "measured": m_med, "simulated": s_med, "step_speed": _median_speeds(speeds),
+                         "tries": [{"errors": errors(m, s), "measured": _figures(m), "simulated": _figures(s),
+                                    "step_speed": speed} for m, s, speed in zip(ms, ss, speeds)],
                          "ttft_ms": {"measured": sorted(t for m in ms for t in ttft_samples(m)),
                                      "simulated": sorted(t for s in ss for t in ttft_samples(s))}})
     return runs
+
+
+def _median_speeds(speeds: list[dict | None]) -> dict:
+    """step_speed's ratios, each kind's median over the tries that counted their steps."""
+    out: dict = {}
+    for kind in ("prompt", "decode"):
+        for ratio in ("wall_vs_simulated", "cpu_vs_alone"):
+            vals = [s[kind][ratio] for s in speeds if s and kind in s]
+            if vals:
+                out.setdefault(kind, {})[ratio] = statistics.median(vals)
+    return out
 
 
 FIGURES = ("p50_ttft_ms", "p90_ttft_ms", "mean_tpot_ms", "request_throughput", "cache_hit_ratio", "request_goodput",

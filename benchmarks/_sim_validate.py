@@ -318,6 +318,47 @@ def errors(measured: dict, simulated: dict) -> dict[str, float | None]:
     return out
 
 
+def step_speed(measured: dict, simulated: dict) -> dict | None:
+    """The served engine steps of a run against its simulation's (bench's "server_steps" and the
+    simulator's, loadtest/server_steps.py), None where the server did not count them. Per kind
+    ("prompt", "decode"): `wall_vs_simulated`, the served steps' wall time over the simulated
+    steps' (the machine's sharing and co-running included on both sides), and `cpu_vs_alone`,
+    the served steps' own CPU time over the same steps alone on the fitted engine: above 1, the
+    machine's cores ran this try's steps slower than the engine fits around it measured,
+    whatever the simulator's model of the serve. Decode steps also by batch (decoding sequences)."""
+    from loadtest.server_steps import mean_step_ms
+
+    served, sim = measured.get("server_steps"), simulated.get("server_steps")
+    if not served or not sim:
+        return None
+    out: dict = {}
+    for kind in ("prompt", "decode"):
+        a, b = mean_step_ms(served, kind), mean_step_ms(sim, kind)
+        if kind == "prompt":  # prompt lengths differ within a batch label: totals only
+            a, b = _pooled(a), _pooled(b)
+        rows = {k: {"steps": a[k]["steps"], "simulated_steps": b[k]["steps"], "served_ms": a[k]["wall_ms"],
+                    "served_cpu_ms": a[k]["cpu_ms"], "simulated_ms": b[k]["wall_ms"], "alone_ms": b[k]["cpu_ms"]}
+                for k in a if k in b}
+        if not rows:
+            continue
+        n = {k: r["steps"] for k, r in rows.items()}
+        total = {f: sum(n[k] * r[f] for k, r in rows.items()) for f in ("served_ms", "served_cpu_ms", "simulated_ms",
+                                                                         "alone_ms")}
+        out[kind] = {"wall_vs_simulated": total["served_ms"] / total["simulated_ms"],
+                     "cpu_vs_alone": total["served_cpu_ms"] / total["alone_ms"],
+                     **({"by_batch": rows} if kind == "decode" else {"steps": rows["all"]})}
+    return out or None
+
+
+def _pooled(by_batch: dict[str, dict]) -> dict[str, dict]:
+    """mean_step_ms's rows pooled into one row, named "all"."""
+    steps = sum(r["steps"] for r in by_batch.values())
+    if not steps:
+        return {}
+    return {"all": {"steps": steps, **{f: sum(r["steps"] * r[f] for r in by_batch.values()) / steps
+                                       for f in ("wall_ms", "cpu_ms")}}}
+
+
 def ttft_samples(run: dict) -> list[float]:
     """A run's TTFTs in ms (bench's records are dicts once read back; the simulator's are objects)."""
     out = []

@@ -146,6 +146,9 @@ class ClusterBackend:
             return False, {"reason": f"the router does not answer: {type(exc).__name__}"}
         return self._health(status)
 
+    async def worker_stats(self) -> dict[str, dict]:
+        return await asyncio.wait_for(self.router.stats.remote(), STATUS_TIMEOUT_S)
+
     def _health(self, status: dict) -> tuple[bool, dict]:
         live = Counter(w["role"] for w in status["workers"].values() if w["healthy"])
         index = status["index"]  # Redis down only degrades routing: still healthy

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 import uuid
 from collections.abc import Sequence as Seq
 
@@ -27,6 +28,7 @@ from engine.sampling import InvalidRequest, SamplingParams, TokenLogprobs
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec import build_draft_kv, build_speculator
+from engine.step_log import StepLog
 from engine.tokenizer import IncrementalDetokenizer, prompt_token_ids
 
 Prompt = str | Seq[int]
@@ -57,6 +59,7 @@ class LLMEngine:
         self.draft_pending: dict[str, Sequence] = {}  # exported, their draft KV still to compute
         self._arrivals = itertools.count()
         self._pending: list[RequestOutput] = []  # finished outside step(), reported by the next step()
+        self.step_log = StepLog()  # what the steps took, by kind and decode batch (stats()["step_times"])
 
     # -- requests ---------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -146,9 +149,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch. Returns an output for every request that got a token."""
         ready, self._pending = self._pending, []
+        wall, cpu = time.perf_counter(), time.thread_time()  # the whole step, as sim calibrate times it
         batch = self.scheduler.schedule()
         if not batch:
             return ready
+        decoding = sum(s.seq.num_computed >= s.seq.num_prompt_tokens for s in batch)
         if self.speculator is not None:
             self.speculator.propose(batch)  # some decodes now verify 1 + k tokens
         sampled = [s for s in batch if s.samples]
@@ -159,6 +164,7 @@ class LLMEngine:
             self.speculator.rewind(sampled)
         if self.hicache is not None:
             self.hicache.after_step()
+        self.step_log.record(decoding < len(batch), decoding, time.perf_counter() - wall, time.thread_time() - cpu)
         outputs = ready
         for s, (tokens, lps) in zip(sampled, results):
             if isinstance(tokens, BaseException):
@@ -437,6 +443,7 @@ class LLMEngine:
             "prefilled": len(self.prefilled), "reserved": len(self.reservations),
             "preemptions": self.scheduler.num_preemptions,
             "prefix_hit_rate": cs.hit_rate, "evicted_blocks": cs.evicted_blocks,
+            "step_times": self.step_log.snapshot(),
             **({"hicache": self.hicache.snapshot()} if self.hicache is not None else {}),
             **(self.speculator.stats() if self.speculator is not None else {}),
             **(self.draft_kv.stats() if self.draft_kv is not None and self.speculator is None else {}),

@@ -1,6 +1,7 @@
 """Drives a target with a workload: sessions start at their arrival offsets, each turn waits for
 the previous answer (and the think time), a semaphore caps requests in flight, and every
-request becomes a RequestRecord. A rate sweep is one run per rate.
+request becomes a RequestRecord. A rate sweep is one run per rate. Where the server counts its
+engine steps (Brigade's /metrics), a run also records what they took meanwhile ("server_steps").
 
 Each run of a sweep draws its prompts with seed + run index, so a later rate does not find the
 earlier runs' prefixes already cached; warm-up requests use yet another seed for the same reason.
@@ -11,6 +12,7 @@ import asyncio
 import time
 from datetime import datetime, timezone
 
+from loadtest import server_steps
 from loadtest.arrivals import arrival_offsets
 from loadtest.config import BenchConfig
 from loadtest.live import LiveProgress
@@ -148,13 +150,17 @@ async def run_benchmark(cfg: BenchConfig) -> dict:
             sessions = _sessions(cfg, seed)
             offsets = arrival_offsets(sessions, rate, cfg.load.arrival, cfg.load.burstiness, seed)
             total = sum(len(s.turns) for s in sessions)
+            steps_before = await target.server_steps()
             with LiveProgress(f"rate {rate:g}/s", total, enabled=cfg.progress) as progress:
                 records, duration = await Run(target, cfg, seed, progress).execute(sessions, offsets,
                                                                                    cfg.load.duration_s)
+            steps_after = await target.server_steps() if steps_before is not None else None
             records.sort(key=lambda r: r.start_s)
             runs.append({"request_rate": rate, "burstiness": cfg.load.burstiness,
                          "max_concurrency": cfg.load.max_concurrency, "seed": seed,
-                         **summarize(records, duration, slo), "records": records})
+                         **summarize(records, duration, slo), "records": records,
+                         **({"server_steps": server_steps.between(steps_before, steps_after)}
+                            if steps_after is not None else {})})
     finally:
         await target.aclose()
     return {"brigade_bench": 1, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

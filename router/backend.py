@@ -42,3 +42,7 @@ class Backend(Protocol):
 
     async def health(self) -> tuple[bool, dict]:
         """(can serve now, details for /health; "waiting"/"running" at the router if known)."""
+
+    async def worker_stats(self) -> dict[str, dict]:
+        """Each worker's engine counters by worker id (LLMEngine.stats(): blocks, queues,
+        "step_times"), for /metrics; {} where there are no workers to ask."""

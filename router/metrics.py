@@ -6,6 +6,7 @@ compares them side by side. The queue-depth gauges are what an autoscaler scales
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -39,6 +40,8 @@ class FrontDoorMetrics:
         self.router_waiting = Gauge("brigade_router_waiting", "Requests waiting for admission at the router",
                                     registry=r)
         self.router_running = Gauge("brigade_router_running", "Requests dispatched to workers", registry=r)
+        self.worker_steps = WorkerSteps()
+        r.register(self.worker_steps)
 
     def finished(self, door: str, outcome: str, ttft_s: float | None = None, total_s: float | None = None,
                  usage=None) -> None:
@@ -63,5 +66,39 @@ class FrontDoorMetrics:
         self.router_waiting.set(waiting)
         self.router_running.set(running)
 
+    def set_worker_stats(self, stats: dict[str, dict]) -> None:
+        """Each worker's engine counters (by worker id, as the router's stats() gives them), read
+        at scrape time."""
+        self.worker_steps.update(stats)
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class WorkerSteps:
+    """The workers' engine step counters (engine/step_log.py) as Prometheus counters labelled
+    by worker, kind ("prompt" or "decode") and batch (decoding sequences in the step).
+    mean step = rate(..._step_seconds_total) / rate(..._steps_total); seconds - cpu_seconds is
+    the time the steps waited for a core (one torch thread per worker)."""
+
+    SERIES = (("brigade_engine_steps", "Engine steps run", "steps"),
+              ("brigade_engine_step_seconds", "Wall time of the engine's steps", "wall_s"),
+              ("brigade_engine_step_cpu_seconds", "CPU time of the stepping thread in the engine's steps", "cpu_s"))
+
+    def __init__(self) -> None:
+        self._by_worker: dict[str, dict] = {}
+
+    def update(self, stats: dict[str, dict]) -> None:
+        """The workers in `stats` from now on: one that answered with new figures, one that did
+        not with its last (a counter must not drop), none of a worker no longer listed."""
+        self._by_worker = {worker_id: s["step_times"] if isinstance(s.get("step_times"), dict)
+                           else self._by_worker.get(worker_id, {}) for worker_id, s in stats.items()}
+
+    def collect(self):
+        families = [CounterMetricFamily(name, doc, labels=["worker", "kind", "batch"]) for name, doc, _ in self.SERIES]
+        for worker_id, kinds in sorted(self._by_worker.items()):
+            for kind, batches in kinds.items():
+                for batch, tally in batches.items():
+                    for family, (_, _, field) in zip(families, self.SERIES):
+                        family.add_metric([worker_id, kind, batch], tally[field])
+        yield from families

@@ -2,8 +2,9 @@
 the real engine.
 
 Measured: prefill steps (one prompt of n tokens, compute-bound) and decode steps (b sequences
-of context c) of an engine preset, each the mean of interleaved rounds, in the dtype `brigade
-serve` would pick here ("auto": bfloat16 where the CPU multiplies it in hardware), so the
+of context c) of an engine preset, greedy as `brigade bench` asks (sim/step_timer.py: sampling
+costs about a millisecond a sequence more), each the mean of interleaved rounds, in the dtype
+`brigade serve` would pick here ("auto": bfloat16 where the CPU multiplies it in hardware), so the
 profile describes the workers it predicts. Fitted by least squares, sharing one per-step and
 one per-sampled-sequence overhead (sim/cost.py's roofline with efficiencies 1; prefills after a
 cached prefix tell attention's rate apart), each step on the side of the roofline the fit

@@ -67,6 +67,12 @@ def hit_ttfts(profile: DeviceProfile, scene: HitScene, width: int | None = None)
     its phases."""
     width = scene.width if width is None else width
     hit = scene.hit_prompt()
+    # Only the hits' times change from phase to phase.
+    around = [SimSession("warm", 0.0, ((hit, 2),))]
+    around += [SimSession(f"stream{i}", 0.5, (([7919 * (i + 1) + j for j in range(scene.short_len)],
+                                                scene.stream_len),)) for i in range(width)]
+    prompts = [scene.long_prompt(hit, k) if k % 2 else hit for k in range(scene.hits)]
+    first = 0.5 + scene.settle_s
     short: list[float] = []
     long: list[float] = []
     with tempfile.TemporaryDirectory() as d:
@@ -75,12 +81,8 @@ def hit_ttfts(profile: DeviceProfile, scene: HitScene, width: int | None = None)
         cfg = FleetConfig(model=scene.model, device=str(path), link="gloo-loopback", block_size=scene.block_size,
                           scheduler=SchedulerConfig(), router=RouterConfig(), stream_every=1)
         for phase in range(scene.phases):
-            sessions = [SimSession("warm", 0.0, ((hit, 2),))]
-            sessions += [SimSession(f"stream{i}", 0.5, (([7919 * (i + 1) + j for j in range(scene.short_len)],
-                                                          scene.stream_len),)) for i in range(width)]
-            first = 0.5 + scene.settle_s
-            sessions += [SimSession(f"hit{k}", first + k * scene.spacing_s + _phase(phase, k, scene),
-                                    ((scene.long_prompt(hit, k) if k % 2 else hit, 2),)) for k in range(scene.hits)]
+            sessions = around + [SimSession(f"hit{k}", first + k * scene.spacing_s + _phase(phase, k, scene),
+                                            ((prompt, 2),)) for k, prompt in enumerate(prompts)]
             ttft = {r.session_id: r.ttft_s for r in simulate(cfg, sessions)["records"]}
             short += [ttft[f"hit{k}"] for k in range(0, scene.hits, 2)]
             long += [ttft[f"hit{k}"] for k in range(1, scene.hits, 2)]

@@ -20,6 +20,7 @@ from engine.messages import GenerateRequest
 from engine.radix_cache import RadixCache
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from engine.step_log import StepLog
 from sim.cost import StepWork
 from sim.hardware import LinkProfile
 from sim.hicache import SimHostTier
@@ -49,6 +50,9 @@ class SimEngine:
         self.prefilled: dict[str, Sequence] = {}  # prefill role: first token out, blocks held for the decode side
         self.reservations: dict[str, list[int]] = {}  # decode role: blocks held for a KV on its way
         self._arrivals = itertools.count()
+        # The served engine's record of its steps (engine/step_log.py): wall = the step on the
+        # virtual clock (what sharing a host's cores made of it), CPU = the cost model's step alone.
+        self.step_log = StepLog()
 
     def attach_host(self, capacity_blocks: int, block_bytes: int, link: LinkProfile, disk_blocks: int = 0,
                     disk_link: LinkProfile | None = None) -> None:
@@ -174,5 +178,6 @@ class SimEngine:
                 "prefilled": len(self.prefilled), "reserved": len(self.reservations),
                 "preemptions": self.scheduler.num_preemptions,
                 "prefix_hit_rate": cs.hit_rate if cs else 0.0, "evicted_blocks": cs.evicted_blocks if cs else 0,
+                "step_times": self.step_log.snapshot(),
                 **({"host_tier": {**self.host.stats, "blocks": len(self.host.blocks),
                                   "disk_blocks": len(self.host.disk)}} if self.host else {})}

@@ -265,8 +265,10 @@ def simulate(cfg: FleetConfig, sessions: list[SimSession], slo: dict[str, float]
            "p90_queue_ms": _pct([q * 1000 for q in extra["queue_s"].values()], 90),
            "mean_utilization": sum(busy) / len(busy) if busy else 0.0,
            "kv_picks": extra["kv_picks"], "workers": extra["workers"]}
+    # bench's "server_steps" (loadtest/server_steps.py): here the whole run's, as a served run's
+    steps = {wid: w.pop("step_times") for wid, w in extra["workers"].items() if "step_times" in w}
     return {**summarize(records, extra["duration_s"], slo), "duration": extra["duration_s"], "records": records,
-            "sim": sim, "fleet": cfg.model_dump(mode="json")}
+            "server_steps": steps, "sim": sim, "fleet": cfg.model_dump(mode="json")}
 
 
 def _pct(values: list[float], p: float) -> float | None:

@@ -92,16 +92,19 @@ class SimWorker:
             # On a shared CPU host every step's length depends on what else runs beside it,
             # so steps go one at a time there; a device of its own repeats a steady batch.
             steady = self.engine.steady_steps(batch, self.stream_every) if self.cpu is None else []
+            prompt = [s.seq.num_computed < s.seq.num_prompt_tokens for s in batch]
             if steady:
                 repeats = await self._steady(steady)
+                took = alone = sum(steady[:repeats])  # a device of its own: each step as planned
             else:
                 repeats = 1
                 if self.cpu is not None:
-                    prompt = [s.seq.num_computed < s.seq.num_prompt_tokens for s in batch]
                     await self.cpu.run(seconds, step=True, prompt=any(prompt), decode=not all(prompt))
                 else:
                     await asyncio.sleep(seconds)
-                self.busy_s += loop.time() - now
+                took, alone = loop.time() - now, seconds
+                self.busy_s += took
+            self.engine.step_log.record(any(prompt), len(batch) - sum(prompt), took, alone, repeats)
             self.steps += repeats
             for seq in self.engine.finish(batch, repeats):
                 self._progress(seq)

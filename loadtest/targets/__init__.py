@@ -39,6 +39,9 @@ class Target(Protocol):
     def stream(self, prompt: Prompt) -> AsyncIterator[StreamChunk]:
         """The answer's chunks as they arrive; the last carries usage when the server reports it."""
 
+    async def server_steps(self) -> dict | None:
+        """The server's engine step counters now (loadtest/server_steps.py), None where it has none."""
+
     async def aclose(self) -> None: ...
 
 

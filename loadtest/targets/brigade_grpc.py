@@ -48,5 +48,8 @@ class BrigadeGrpcTarget:
         except BrigadeError as exc:
             raise TargetError(f"grpc_{exc.code.name.lower()}", exc.message) from None
 
+    async def server_steps(self) -> dict | None:
+        return None  # the gRPC door serves no metrics; its HTTP door's /metrics has them
+
     async def aclose(self) -> None:
         await self.client.close()

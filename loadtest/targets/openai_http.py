@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 
+from loadtest import server_steps
 from loadtest.targets import TargetConfig
 from loadtest.types import Content, Prompt, StreamChunk, TargetError, Usage
 from loadtest.workloads.tokens import as_text
@@ -99,6 +100,18 @@ class OpenAIHttpTarget:
         n = len(ids) if isinstance(ids, list) else int(bool(text))
         return StreamChunk(now, n, text=text, token_ids=ids if isinstance(ids, list) else None,
                            usage=usage), choice.get("finish_reason") is not None
+
+    async def server_steps(self) -> dict | None:
+        try:
+            resp = await self.client.get("/metrics", timeout=10.0)
+        except httpx.HTTPError:
+            return None
+        if resp.status_code != 200:
+            return None
+        try:
+            return server_steps.parse(resp.text)
+        except ValueError:  # not Prometheus text: a server with another /metrics
+            return None
 
     async def aclose(self) -> None:
         await self.client.aclose()

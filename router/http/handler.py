@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import socket
 import time
 import traceback
@@ -40,6 +41,7 @@ from router.metrics import CONTENT_TYPE
 if TYPE_CHECKING:
     from router.http.server import ApiServer
 
+log = logging.getLogger(__name__)
 IO_TIMEOUT_S = 60.0  # one socket read or write; a client that stalls this long is gone (or slow-loris)
 # The kernel's send buffer for one connection, fixed (Linux would grow it to megabytes for a
 # client that reads slowly): past it the handler's write waits, so a slow reader's stream waits
@@ -176,12 +178,17 @@ class Handler(BaseHTTPRequestHandler):
                    headers=None if ok else {"Retry-After": str(RETRY_AFTER_S)})
 
     def _metrics(self) -> None:
-        """Prometheus text; the router's queue gauges are read now, at scrape time."""
+        """Prometheus text; the router's queue gauges and the workers' step counters are read
+        now, at scrape time."""
         metrics = self.server.metrics
         if self.server.backend is not None:
             _, details = self.server.bridge.run(self.server.backend.health())
             if "waiting" in details:
                 metrics.set_router_queue(details["waiting"], details["running"])
+            try:
+                metrics.set_worker_stats(self.server.bridge.run(self.server.backend.worker_stats()))
+            except Exception as exc:  # noqa: BLE001 - the door's own series still answer; the workers' keep their last
+                log.warning("/metrics: the workers' counters could not be read: %r", exc)
         self._send_bytes(200, metrics.exposition(), CONTENT_TYPE)
 
     def _body(self) -> dict:

@@ -49,6 +49,7 @@ class FakeBackend:
         self.calls: list[dict] = []
         self.closed: list[str] = []
         self.fail: Exception | None = None
+        self.stats_fail: Exception | None = None  # worker_stats() raises it
         self.endless = False
 
     def tokenize(self, prompt):
@@ -91,6 +92,11 @@ class FakeBackend:
 
     async def health(self):
         return True, {"waiting": 3, "running": 2}
+
+    async def worker_stats(self):
+        if self.stats_fail is not None:
+            raise self.stats_fail
+        return {"mixed-0": {"step_times": {"decode": {"1": {"steps": 5, "wall_s": 0.1, "cpu_s": 0.09}}}}}
 
 
 def start(frontdoor: FrontDoorConfig = FrontDoorConfig(), auth: Authenticator | None = None):
@@ -467,6 +473,12 @@ def test_metrics_count_answers_and_read_the_router_queue(server: ApiServer) -> N
     assert metric(server, "brigade_cached_prompt_tokens_total", tier="device") == 2
     assert metric(server, "brigade_generated_tokens_total") == 3
     assert metric(server, "brigade_time_to_first_token_seconds_count", door="http") == 1
+    # the workers' engine steps, read at scrape time; a scrape whose worker call fails keeps them
+    assert b'brigade_engine_steps_total{batch="1",kind="decode",worker="mixed-0"} 5.0' in text
+    server.backend.stats_fail = TimeoutError()
+    status, text, _ = get(f"{server.url}/metrics")
+    assert status == 200 and b'brigade_engine_step_cpu_seconds_total{batch="1",kind="decode",worker="mixed-0"} 0.09' \
+        in text and b'brigade_requests_total{door="http",outcome="ok"} 1.0' in text
 
 
 def test_tls(tmp_path: Path) -> None:

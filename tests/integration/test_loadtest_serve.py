@@ -45,6 +45,17 @@ def test_shared_prefix_against_brigade_serve(base_url: str, tmp_path: Path) -> N
     assert by_id["group0-q0"]["cached_tokens"] == 0 and by_id["group1-q0"]["cached_tokens"] == 0
     assert by_id["group0-q1"]["cached_tokens"] >= 32 and by_id["group1-q1"]["cached_tokens"] >= 32
     assert run["cache_hit_ratio"] > 0 and run["request_goodput"] == pytest.approx(run["request_throughput"])
+    # What the workers' steps took during the run, from /metrics before and after it: one at a
+    # time, each request's prompt is one step on the prefill worker, and its 3 tokens after the
+    # first are 3 decode steps alone on the decode worker.
+    steps = run["server_steps"]
+    prompt = {w: sum(t["steps"] for t in kinds.get("prompt", {}).values()) for w, kinds in steps.items()}
+    decode = {w: kinds.get("decode", {}) for w, kinds in steps.items()}
+    assert sorted(prompt.values()) == [0, 4] and sorted(sum(t["steps"] for t in d.values())
+                                                          for d in decode.values()) == [0, 12]
+    assert all(set(d) <= {"1"} for d in decode.values())
+    assert all(0 < t["cpu_s"] and 0 < t["wall_s"] for kinds in steps.values() for k in kinds.values()
+               for t in k.values())
 
 
 def test_multi_turn_and_text_prompts_against_brigade_serve(base_url: str, tmp_path: Path) -> None:

@@ -407,6 +407,9 @@ class FakeBackend:
     async def health(self):
         return self.healthy, {} if self.healthy else {"reason": "no live decode worker"}
 
+    async def worker_stats(self):
+        return {}
+
 
 @pytest.fixture
 def fake_server() -> Iterator[tuple[str, FakeBackend, object]]:

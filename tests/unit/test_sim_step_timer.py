@@ -22,6 +22,11 @@ def test_it_times_fresh_prompts_and_decode_batches_of_the_real_engine() -> None:
     assert len(timer.decode(3, 2, context=40)) == 2  # a batch at another context: an engine of its own
     running = timer._decoders[(3, 40)].scheduler.running
     assert len(running) == 3 and all(s.num_prompt_tokens == 40 for s in running)
+    # greedy, as `brigade bench` asks by default: what the calibrated steps must cost
+    assert all(s.params.greedy for s in running)
+    sampled = StepTimer("tiny", "float32", context=16, temperature=0.8)
+    sampled.decode(2, 1)
+    assert all(s.params.temperature == 0.8 for s in sampled._decoders[(2, 16)].scheduler.running)
 
 
 def test_a_hit_computes_only_its_new_tokens_after_the_cached_prefix() -> None:

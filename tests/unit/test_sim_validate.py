@@ -19,6 +19,7 @@ from _sim_validate import (  # noqa: E402
     errors,
     fleet_config,
     simulate_load,
+    step_speed,
 )
 
 from cluster.sim_bridge import from_loadtest  # noqa: E402
@@ -66,6 +67,13 @@ def test_a_simulated_sweep_gives_one_run_per_rate() -> None:
     assert [r["request_rate"] for r in runs] == [1.0, 4.0]
     assert all(r["completed"] == 4 and r["failed"] == 0 for r in runs)
     assert all(r["cache_hit_ratio"] > 0 for r in runs)  # the second question of each group finds its system prompt
+    # the simulated workers' steps, as bench records a served run's: every request's prompt
+    # computed in prompt steps, its 3 tokens after the first in decode steps on the decode worker
+    for r in runs:
+        decode = [t for kinds in r["server_steps"].values() for t in kinds.get("decode", {}).values()]
+        assert sum(t["steps"] for t in decode) == 12
+        assert all(t["wall_s"] >= t["cpu_s"] * (1 - 1e-9) and t["cpu_s"] > 0 for t in decode)
+        assert sum(t["steps"] for kinds in r["server_steps"].values() for t in kinds.get("prompt", {}).values()) == 4
 
 
 def test_micro_scenes_simulate_each_interaction(tmp_path: Path) -> None:
@@ -133,3 +141,25 @@ def test_a_fleets_tries_are_compared_by_each_figures_median() -> None:
     assert median["p50_ttft_ms"] == 224.0 and median["mean_tpot_ms"] == 80.2 and median["completed"] == 32
     assert median["p90_ttft_ms"] is None  # no try has it
     assert errors(median, {**median, "mean_tpot_ms": 88.22})["tpot_mean"] == pytest.approx(0.1)
+
+
+def test_step_speed_tells_slow_steps_from_steps_that_waited() -> None:
+    def steps(decode: dict, prompt_wall: float, prompt_cpu: float) -> dict:
+        prompt = {"0": {"steps": 4, "wall_s": prompt_wall, "cpu_s": prompt_cpu}}
+        return {"server_steps": {"decode-0": {"decode": decode}, "prefill-0": {"prompt": prompt}}}
+
+    simulated = steps({"1": {"steps": 10, "wall_s": 0.2, "cpu_s": 0.2},
+                       "4": {"steps": 10, "wall_s": 0.6, "cpu_s": 0.4}}, 1.0, 0.8)
+    # served: batch 1 as simulated; batch 4 took 0.8 s of wall for 0.6 s of CPU; a batch the
+    # simulation never ran is left out; the prompts ran 20% slow on the CPU itself
+    measured = steps({"1": {"steps": 10, "wall_s": 0.2, "cpu_s": 0.2},
+                      "4": {"steps": 10, "wall_s": 0.8, "cpu_s": 0.6},
+                      "7": {"steps": 1, "wall_s": 9.0, "cpu_s": 9.0}}, 1.2, 0.96)
+    speed = step_speed(measured, simulated)
+    assert speed["decode"]["wall_vs_simulated"] == pytest.approx(1.0 / 0.8)
+    assert speed["decode"]["cpu_vs_alone"] == pytest.approx(0.8 / 0.6)
+    assert set(speed["decode"]["by_batch"]) == {"1", "4"}
+    assert speed["decode"]["by_batch"]["4"]["served_ms"] == pytest.approx(80.0)
+    assert speed["prompt"]["wall_vs_simulated"] == pytest.approx(1.2) and \
+        speed["prompt"]["cpu_vs_alone"] == pytest.approx(1.2)
+    assert step_speed({}, simulated) is None  # a server that does not count its steps
