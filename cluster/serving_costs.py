@@ -114,7 +114,7 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
                     requests: int = 8, short_len: int = SHORT_LEN, long_len: int = 516,
                     decode_tokens: int = DECODE_TOKENS,
                     streams: int = 4, rounds: int = 4, stream_rounds: int = 4, idle_s: float = 3.0,
-                    block_size: int = 16, corun_width: int = 1,
+                    block_size: int = 16, corun_width: int = 1, corun_phases: int = HitScene.phases,
                     receive_requests: int = 3, timer: StepTimer | None = None) -> tuple[DeviceProfile, dict]:
     """The serving path's costs on a running `brigade serve` at `url` (of the preset the profile
     was fitted on), through loadtest's HTTP target as `brigade bench` sends requests; distinct
@@ -150,7 +150,8 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
     median TTFTs of prefix hits (2 tokens each) sent one at a time alone and beside
     `corun_width` long answers, in `rounds` interleaved rounds, alternately of a
     `long_len`-token prompt (its full blocks cached) and of those blocks with more new tokens
-    of their own, whose growths the simulator is fitted to (sim/corun.py). Four rounds, not
+    of their own, whose growths the simulator is fitted to (sim/corun.py; the scene simulated
+    at `corun_phases` phases of the decode steps: each costs the fit's grid once more). Four rounds, not
     two: with six short hits a width in each, two calibrations put the short hits' growth at
     24 and 37 ms (and the fit's wait at 2.5 and 20 ms), three longer scenes at 27-29. One
     answer, not two: beside two, sharing the cores already gave the long hits most of their measured
@@ -319,7 +320,8 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
             profile = profile.model_copy(update={"kv_receive_cpu_per_token_s": receive})
             seen |= {"decode_idle_cpu_rate": decode_idle_rate} | {
                 f"decode_cpu_per_request_{n}_s": cpu for n, (cpu, _) in per_request.items()}
-            scene = HitScene(shape.name, corun_width, hit_len=long_len, short_len=short_len, block_size=block_size)
+            scene = HitScene(shape.name, corun_width, hit_len=long_len, short_len=short_len, block_size=block_size,
+                             phases=corun_phases)
             ttfts = {width: ([], []) for width in (0, corun_width)}
             for _ in range(rounds):  # interleaved: the machine's speed drifts
                 for width, (short, long) in ttfts.items():

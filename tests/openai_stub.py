@@ -7,7 +7,8 @@ prompt shares with an earlier prompt (token-id prompts only). Every `fail_every`
 is answered 503; `misbehave` maps a request's number (1-based) to a broken stream: "error" (an
 error event after one token), "abort" (finish_reason "abort"), "cut" (the connection closes after
 one token), "empty" (every chunk's text is empty, as for tokens ending inside a UTF-8 character:
-only usage and token ids count them). `bodies` keeps every request body, in arrival order.
+only usage and token ids count them). `bodies` keeps every request body, in arrival order;
+any GET (bench asks for `/metrics`) is answered 404.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class OpenAIStub:
         self.token_delay_s, self.fail_every, self.misbehave = token_delay_s, fail_every, misbehave or {}
         self.bodies: list[dict] = []
         self.paths: list[str] = []
+        self.gets: list[str] = []  # GETs (brigade bench asks for /metrics around each run), answered 404
         self.blocks: set[tuple[int, ...]] = set()  # every cached block-aligned prefix
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -74,7 +76,10 @@ class OpenAIStub:
                 key, _, value = line.partition(":")
                 headers[key.lower()] = value.strip()
             body = json.loads(await reader.readexactly(int(headers.get("content-length", 0))) or b"{}")
-            path = request_line.split()[1]
+            method, path = request_line.split()[:2]
+            if method != "POST":  # no /metrics, nothing else to GET: as a minimal server, 404
+                self.gets.append(path)
+                return await self._send(writer, 404, {"error": {"message": f"no route {path}", "type": "not_found"}})
             self.bodies.append(body)
             self.paths.append(path)
             if self.fail_every and len(self.bodies) % self.fail_every == 0:

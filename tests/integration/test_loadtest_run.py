@@ -41,6 +41,9 @@ def test_shared_prefix_against_the_stub(tmp_path: Path) -> None:
     assert (run["completed"], run["failed"], run["num_prompts"]) == (6, 0, 6)
     # Token-id prompts: system (32) + question (8); standard fields only, usage asked for.
     assert len(stub.bodies) == 6 and set(stub.paths) == {"/v1/completions"}
+    # bench asked for the server's step counters before the run; a server without them has no
+    # after and the run no server_steps
+    assert stub.gets == ["/metrics"] and "server_steps" not in run
     for body in stub.bodies:
         assert isinstance(body["prompt"], list) and len(body["prompt"]) == 40
         assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
