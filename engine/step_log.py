@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 EXACT_BATCHES = 16
-KINDS = ("prompt", "decode")
 
 
 def batch_label(decoding: int) -> str:
