@@ -190,7 +190,7 @@ def engine_fit_around(model: str, before: dict, after: dict, serving: dict) -> d
     every 1P+1D figure of one run low (re-simulated with the scaling, that run's 21 latency
     errors summed 3.41 instead of 3.96, and another run's 2.31 instead of 2.44). Means of the
     per-unit times (1 / rate, overheads): the two fits share one design, so that is the fit of
-    the mean step times."""
+    the mean step times; and of their decode batches' scales (sim/hardware.py decode_batch_scale)."""
     inv = {"peak_flops": lambda p: 1 / p["peak_flops"], "mem_bw": lambda p: 1 / p["mem_bw"],
            "attn": lambda p: 1 / (p["peak_flops"] * p["attn_eff"])}
     if before.get("decode_attn_eff") and after.get("decode_attn_eff"):
@@ -201,6 +201,8 @@ def engine_fit_around(model: str, before: dict, after: dict, serving: dict) -> d
            "decode_attn_eff": min(1.0, mean["peak_flops"] / mean["decode_attn"]) if "decode_attn" in mean else None}
     for k in ("step_overhead_s", "seq_overhead_s"):
         out[k] = (before[k] + after[k]) / 2
+    scales = [dict(map(tuple, p.get("decode_batch_scale") or ())) for p in (before, after)]
+    out["decode_batch_scale"] = [(b, (scales[0][b] + scales[1][b]) / 2) for b in sorted(scales[0]) if b in scales[1]]
     speed = _decode_steps_s(model, out) / _decode_steps_s(model, serving)
     return out | {k: serving[k] * speed for k in SERVING_TIMES if serving.get(k) is not None}
 

@@ -260,7 +260,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         for e in report["samples"]:
             print(f"{e['kind']:8s} {e['tokens']:5d} tokens after {e['context']:5d}  "
                   f"measured {e['measured_s'] * 1000:8.2f} ms  "
-                  f"fitted {e['predicted_s'] * 1000:8.2f} ms  ({e['error']:+.1%})")
+                  f"fitted {e['predicted_s'] * 1000:8.2f} ms  ({e['error']:+.1%}; "
+                  f"roofline {e['roofline_s'] / e['measured_s'] - 1:+.1%})")
         decode_attn = "" if profile.decode_attn_eff is None else f", a decode batch's at {profile.decode_attn_eff:.2f}"
         print(f"peak {profile.peak_flops / 1e9:.1f} GFLOP/s (attention over cached context at "
               f"{profile.attn_eff:.2f} of it{decode_attn}), "

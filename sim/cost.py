@@ -12,6 +12,8 @@ A step computes `tokens` new tokens over sequences with given contexts. Per TP r
            + worker_step_overhead_s (a served worker's loop and actor per step; calibrated)
            + (seq_overhead_s + token_overhead_s) * sampled (the engine's per-sequence cost and a
              served worker's per streamed chunk; both calibrated)
+    and a decode step's engine part (all but the served worker's) times the device's
+    decode_scale at its batch (a CPU's few-row kernels; calibrated)
 
 A prefill chunk of a few thousand tokens is compute-bound; a decode step of one token per
 sequence reads every weight and the whole KV for little arithmetic, so on a GPU it is
@@ -109,8 +111,10 @@ class Roofline:
         if not w.tokens:
             return 0.0
         d = self.device
-        t = max(self.compute_s(w), self.memory_s(w)) + d.step_overhead_s + d.worker_step_overhead_s
-        t += (d.seq_overhead_s + d.token_overhead_s) * w.sampled
+        t = max(self.compute_s(w), self.memory_s(w)) + d.step_overhead_s + d.seq_overhead_s * w.sampled
+        if w.tokens == w.sampled and w.ctx_pairs == w.dec_pairs:  # every sequence adds one token: a decode
+            t *= d.decode_scale(w.tokens)
+        t += d.worker_step_overhead_s + d.token_overhead_s * w.sampled
         if self.tp > 1:  # two ring all-reduces of the activations per layer
             size = w.tokens * self.shape.hidden * d.dtype_bytes * 2 * (self.tp - 1) / self.tp
             t += 2 * self.shape.layers * self.tp_link.transfer_s(size)

@@ -39,6 +39,13 @@ class DeviceProfile(_Frozen):
     # here a batch of 8 at 1,040 tokens of context stepped in 45 ms, where attn_eff, fitted on
     # prefix hits, gave 36 (calibrate fits it from decode batches at two contexts).
     decode_attn_eff: float | None = Field(None, gt=0, le=1)
+    # A decode step (every sequence adds one token) of a given batch over the roofline's, as
+    # (batch, scale) pairs by batch; linear in between, the last pair's beyond it, 1 without
+    # pairs. A CPU's kernels for a few rows are not a roofline's: on the AVX-512 EPYC here in
+    # bfloat16 a batch of 2 stepped slower than one of 3 (10.1-11.0 ms against 9.4-9.6), which
+    # a line through the batches put 9-14% low at 1 and 2, the batches a light load decodes.
+    # calibrate sets it from its decode steps; () for the catalog's GPUs.
+    decode_batch_scale: tuple[tuple[int, float], ...] = ()
     step_overhead_s: float = Field(0.0, ge=0)  # per engine step: launches, scheduling, sampling
     # Per sampled sequence per step, inside the engine: sampling and each sequence's own
     # bookkeeping (calibrate fits it; a GPU's batched sampler makes it negligible there).
@@ -86,6 +93,18 @@ class DeviceProfile(_Frozen):
     dtype_bytes: int = Field(2, ge=1)  # weights and KV
     intra_link: str = "nvlink4"  # between the ranks of one TP group
     inter_link: str = "rdma-ndr400"  # between a prefill and a decode worker
+
+    def decode_scale(self, batch: int) -> float:
+        """decode_batch_scale at `batch`."""
+        pairs = self.decode_batch_scale
+        if not pairs:
+            return 1.0
+        if batch <= pairs[0][0]:
+            return pairs[0][1]
+        for (b0, s0), (b1, s1) in zip(pairs, pairs[1:]):
+            if batch <= b1:
+                return s0 + (s1 - s0) * (batch - b0) / (b1 - b0)
+        return pairs[-1][1]
 
     def slowed(self, factor: float) -> DeviceProfile:
         """This device with every cost `factor` times as large: its rates divided by it, every

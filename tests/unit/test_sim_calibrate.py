@@ -29,6 +29,29 @@ def test_fit_recovers_the_profile_that_made_the_samples(seq_overhead_s: float) -
     assert report["max_abs_error"] < 1e-6
 
 
+def test_what_the_roofline_misses_at_a_decode_batch_is_kept_as_its_scale() -> None:
+    """Few-row kernels: a batch of 2 measured 15% over the roofline that made the rest. Its
+    scale is that batch's own, the batches apart keep theirs, and the profile then predicts
+    every decode step as measured (the report gives the roofline's error beside)."""
+    shape = load_shape("bench")
+    r = Roofline(shape, DeviceProfile(name="t", peak_flops=210e9, mem_bw=21e9, mem_bytes=8e9,
+                                      step_overhead_s=0.004, dtype_bytes=4))
+    works = [("prefill", StepWork.of([(n, 0, True)])) for n in (128, 512, 1024)]
+    works += [("decode", StepWork.of([(1, 258, True)] * b)) for b in (1, 2, 4, 8)]
+    samples = [Sample(k, w, r.step_s(w) * (1.15 if k == "decode" and w.tokens == 2 else 1.0)) for k, w in works]
+    profile, report = fit(shape, samples, dtype_bytes=4)
+    scale = dict(profile.decode_batch_scale)
+    assert sorted(scale) == [1, 2, 4, 8]
+    assert scale[2] > 1.08 and scale[2] > max(scale[1], scale[4]) + 0.08
+    decodes = [e for e in report["samples"] if e["kind"] == "decode"]
+    assert all(e["error"] == pytest.approx(0.0, abs=1e-9) for e in decodes)
+    assert max(abs(e["roofline_s"] / e["measured_s"] - 1) for e in decodes) > 0.05
+    # Two contexts of one batch: their geometric mean.
+    long = StepWork.of([(1, 1030, True)] * 4)
+    profile, _ = fit(shape, samples + [Sample("decode", long, r.step_s(long) * 0.9)], dtype_bytes=4)
+    assert dict(profile.decode_batch_scale)[4] < scale[4]
+
+
 def test_measurements_no_roofline_explains_are_refused() -> None:
     shape = load_shape("bench")
     # Longer prompts measured faster than short ones: a negative compute time per flop.

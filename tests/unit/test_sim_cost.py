@@ -79,6 +79,25 @@ def test_a_served_workers_token_overhead_is_paid_per_sampled_sequence() -> None:
         [served.step_s(StepWork.of([(1, 300 // 4 + j, True)] * 4)) for j in range(10)])
 
 
+def test_a_decode_step_takes_its_batch_s_scale_and_nothing_else_does() -> None:
+    """decode_batch_scale: linear between its batches, the last one's beyond, on the engine's part
+    of a step whose every sequence adds one token; prompts, mixed steps and a served worker's
+    overheads keep their roofline times."""
+    dev = load_device("cpu-2core").model_copy(update={"token_overhead_s": 0.002, "worker_step_overhead_s": 0.001})
+    scaled = dev.model_copy(update={"decode_batch_scale": ((1, 1.1), (2, 1.2), (4, 0.9))})
+    assert [scaled.decode_scale(b) for b in (1, 2, 3, 4, 16)] == pytest.approx([1.1, 1.2, 1.05, 0.9, 0.9])
+    assert dev.decode_scale(3) == 1.0
+    plain, r = Roofline(load_shape("bench"), dev), Roofline(load_shape("bench"), scaled)
+    served = 0.001 + 0.002 * 3
+    decode = StepWork.of([(1, 300, True)] * 3)
+    assert r.step_s(decode) - served == pytest.approx((plain.step_s(decode) - served) * 1.05)
+    for work in (StepWork.of([(64, 0, True)]), StepWork.of([(1, 300, True), (32, 0, True)]),
+                 StepWork.of([(1, 300, True), (16, 0, False)])):
+        assert r.step_s(work) == pytest.approx(plain.step_s(work))
+    assert r.decode_steps_s(3, 300, 10) == pytest.approx(
+        [r.step_s(StepWork.of([(1, 300 // 3 + j, True)] * 3)) for j in range(10)])
+
+
 def test_attention_below_the_matmuls_rate_slows_only_pairs_against_the_cached_context() -> None:
     """A fresh prompt's causal attention among its own tokens runs on the dense kernel (the
     matmuls' rate); a prefix hit's and a decode step's read the paged cache (attn_eff)."""

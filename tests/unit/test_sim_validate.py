@@ -125,10 +125,16 @@ def test_a_try_s_profile_scales_the_serving_terms_by_the_engine_s_move() -> None
         if serving.get(key) is not None:
             assert out[key] == pytest.approx(serving[key] * 1.3), key
     assert out["stream_cpu_s"] == pytest.approx(0.0052) and out["corun_slowdown"] == 1.5
-    assert engine_fit_around("bench", serving, serving, serving) == pytest.approx(serving)
+    same = engine_fit_around("bench", serving, serving, serving)
+    assert same.pop("decode_batch_scale") == [] and same == pytest.approx(
+        {k: v for k, v in serving.items() if k != "decode_batch_scale"})
     # A decode batch's attention rate: the mean of the fits' per-flop times, as the others.
     fast, slow = ({**serving, "decode_attn_eff": e} for e in (0.2, 0.1))
     assert engine_fit_around("bench", fast, slow, serving)["decode_attn_eff"] == pytest.approx(1 / 7.5)
+    # Decode batches' scales: the fits' means, where both have the batch.
+    fast["decode_batch_scale"], slow["decode_batch_scale"] = [(1, 1.1), (2, 1.3)], [(1, 1.0), (2, 1.1), (4, 0.9)]
+    scale = engine_fit_around("bench", fast, slow, serving)["decode_batch_scale"]
+    assert [b for b, _ in scale] == [1, 2] and [s for _, s in scale] == pytest.approx([1.05, 1.2])
 
 
 def test_a_fleets_tries_are_compared_by_each_figures_median() -> None:
