@@ -192,12 +192,14 @@ def engine_fit_around(model: str, before: dict, after: dict, serving: dict) -> d
     per-unit times (1 / rate, overheads): the two fits share one design, so that is the fit of
     the mean step times; and of their decode batches' scales (sim/hardware.py decode_batch_scale)."""
     inv = {"peak_flops": lambda p: 1 / p["peak_flops"], "mem_bw": lambda p: 1 / p["mem_bw"],
-           "attn": lambda p: 1 / (p["peak_flops"] * p["attn_eff"])}
+           "attn": lambda p: 1 / (p["peak_flops"] * p["attn_eff"]),
+           "prompt_attn": lambda p: 1 / (p["peak_flops"] * p.get("prompt_attn_eff", 1.0))}
     if before.get("decode_attn_eff") and after.get("decode_attn_eff"):
         inv["decode_attn"] = lambda p: 1 / (p["peak_flops"] * p["decode_attn_eff"])
     mean = {k: (f(before) + f(after)) / 2 for k, f in inv.items()}
     out = {**serving, "peak_flops": 1 / mean["peak_flops"], "mem_bw": 1 / mean["mem_bw"],
            "attn_eff": min(1.0, mean["peak_flops"] / mean["attn"]),
+           "prompt_attn_eff": min(1.0, mean["peak_flops"] / mean["prompt_attn"]),
            "decode_attn_eff": min(1.0, mean["peak_flops"] / mean["decode_attn"]) if "decode_attn" in mean else None}
     for k in ("step_overhead_s", "seq_overhead_s"):
         out[k] = (before[k] + after[k]) / 2

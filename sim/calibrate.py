@@ -76,22 +76,27 @@ def fit(shape: ModelShape, samples: list[Sample], dtype_bytes: int, name: str = 
     # And a decode batch's attention apart from a hit's where decode steps at two contexts
     # tell it apart; otherwise it runs at the hits' rate.
     dec_apart = len({s.work.kv_tokens // max(1, s.work.tokens) for s in samples if s.kind == "decode"}) >= 2
+    # And a fresh prompt's attention among its own tokens apart from its matmuls where fresh
+    # prompts of three lengths or more tell the quadratic part apart.
+    self_apart = len({s.work.tokens for s in samples if s.kind == "prefill" and not s.work.ctx_pairs}) >= 3
     y = np.array([s.seconds for s in samples])
     weights = 1 / y  # relative error, so the short decode steps count as much as long prefills
 
     def row(w: StepWork, compute_bound: bool) -> list[float]:
         # Columns: s/flop of the matmuls, of a hit's attention and of a decode's, s/byte, s per
-        # step, s per sampled sequence.
+        # step, s per sampled sequence, s/flop of a fresh prompt's attention among its own tokens.
         if not compute_bound:
-            return [0.0, 0.0, 0.0, r.bytes(w), 1.0, w.sampled]
+            return [0.0, 0.0, 0.0, r.bytes(w), 1.0, w.sampled, 0.0]
         dec = r.decode_attn_flops(w) if dec_apart else 0.0
         attn = (r.attn_flops(w) - dec) if apart else 0.0
-        return [r.flops(w) - attn - dec, attn, dec, 0.0, 1.0, w.sampled]
+        own = r.prompt_attn_flops(w) if self_apart else 0.0
+        return [r.flops(w) - attn - dec - own, attn, dec, 0.0, 1.0, w.sampled, own]
 
     def solve(compute_bound: list[bool]) -> DeviceProfile:
         a = np.array([row(s.work, bound) for s, bound in zip(samples, compute_bound)])
-        unused = {k for k, off in ((1, not apart), (2, not dec_apart), (3, all(compute_bound))) if off}
-        keep = [k for k in range(6) if k not in unused]
+        unused = {k for k, off in ((1, not apart), (2, not dec_apart), (3, all(compute_bound)), (6, not self_apart))
+                  if off}
+        keep = [k for k in range(7) if k not in unused]
         while True:
             x = np.linalg.lstsq(a[:, keep] * weights[:, None], y * weights, rcond=None)[0]
             coef = dict(zip(keep, x))
@@ -99,7 +104,8 @@ def fit(shape: ModelShape, samples: list[Sample], dtype_bytes: int, name: str = 
             # pin (decode steps of a small batch read nearly the same bytes); clamping it afterwards
             # would leave the rest fitted against it, and every step predicted off by the lost
             # part. Fit again without it instead.
-            negative = [k for k in (5, 4) if k in coef and coef[k] < 0]
+            # (A fresh prompt's own attention faster than free is the same noise.)
+            negative = [k for k in (5, 4, 6) if k in coef and coef[k] < 0]
             if not negative and coef.get(3, 1.0) <= 0 < coef[0] and 4 in keep:
                 # Decode steps read nearly the same bytes at every batch, so their bytes term and the
                 # per-step term trade off: a large prefill intercept can leave the bytes none. The
@@ -120,11 +126,12 @@ def fit(shape: ModelShape, samples: list[Sample], dtype_bytes: int, name: str = 
             raise ValueError("the measured steps do not fit a roofline (noisy machine?); run calibrate again")
         # Attention at the matmuls' rate or below (faster would be noise: samples without much of it).
         attn_eff = min(1.0, inv_flops / inv_attn) if inv_attn > 0 else 1.0
+        prompt_attn_eff = min(1.0, inv_flops / coef[6]) if coef.get(6, 0.0) > 0 else 1.0
         decode_attn_eff = None
         if dec_apart:
             decode_attn_eff = min(1.0, inv_flops / coef[2]) if coef[2] > 0 else 1.0
         return DeviceProfile(name=name, peak_flops=1 / inv_flops, mem_bw=1 / inv_bw, mem_bytes=mem_bytes,
-                             attn_eff=attn_eff, decode_attn_eff=decode_attn_eff,
+                             attn_eff=attn_eff, decode_attn_eff=decode_attn_eff, prompt_attn_eff=prompt_attn_eff,
                              step_overhead_s=float(coef.get(4, 0.0)), seq_overhead_s=float(coef.get(5, 0.0)),
                              dtype_bytes=dtype_bytes, intra_link="gloo-loopback", inter_link="gloo-loopback",
                              host_cores=host_cores)

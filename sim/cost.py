@@ -4,6 +4,7 @@ A step computes `tokens` new tokens over sequences with given contexts. Per TP r
 
     flops = 2 * active_params * tokens + 4 * layers * q_dim * attn_pairs + 2 * hidden * vocab * sampled
     compute = matmul flops / peak + attention over the cached context / (peak * attn_eff)
+            + attention among the step's own new tokens / (peak * prompt_attn_eff)
             + a decode step's attention over its context / (peak * decode_attn_eff)
     bytes = weights read (an MoE layer reads only the experts its tokens chose)
           + KV read (context + new tokens of every sequence) + KV written (new tokens)
@@ -84,6 +85,11 @@ class Roofline:
         """The query-key part of flops() over the cached context, decodes' included."""
         return self._pair_flops * w.ctx_pairs / self.tp
 
+    def prompt_attn_flops(self, w: StepWork) -> float:
+        """The query-key part of flops() among the step's own new tokens (a fresh prompt's, a
+        chunk's own): what runs at the device's prompt_attn_eff."""
+        return self._pair_flops * (w.attn_pairs - w.ctx_pairs) / self.tp
+
     def decode_attn_flops(self, w: StepWork) -> float:
         """Of attn_flops(), the decodes' (what runs at the device's decode_attn_eff)."""
         return self._pair_flops * w.dec_pairs / self.tp
@@ -97,9 +103,10 @@ class Roofline:
         return (weights + self._kv_token * (w.kv_tokens + w.tokens)) / self.tp
 
     def compute_s(self, w: StepWork) -> float:
-        attn, dec = self.attn_flops(w), self.decode_attn_flops(w)
-        matmuls = self.flops(w) - attn
-        return (matmuls + (attn - dec) / self.device.attn_eff + dec / self._decode_attn_eff) / self._flops_per_s
+        attn, dec, own = self.attn_flops(w), self.decode_attn_flops(w), self.prompt_attn_flops(w)
+        matmuls = self.flops(w) - attn - own
+        return (matmuls + own / self.device.prompt_attn_eff + (attn - dec) / self.device.attn_eff
+                + dec / self._decode_attn_eff) / self._flops_per_s
 
     def memory_s(self, w: StepWork) -> float:
         return self.bytes(w) / self._bytes_per_s

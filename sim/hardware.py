@@ -39,6 +39,11 @@ class DeviceProfile(_Frozen):
     # here a batch of 8 at 1,040 tokens of context stepped in 45 ms, where attn_eff, fitted on
     # prefix hits, gave 36 (calibrate fits it from decode batches at two contexts).
     decode_attn_eff: float | None = Field(None, gt=0, le=1)
+    # And a fresh prompt's attention among its own tokens (a chunk's own): the dense causal
+    # kernel, 1 (the matmuls' rate) for the catalog's GPUs. On the AVX-512 EPYC here in bfloat16
+    # it ran below the GEMMs, and a fit at their rate put a 1,024-token prompt 11% low and a
+    # 64-token one 11% high (calibrate fits it from fresh prompts of four lengths).
+    prompt_attn_eff: float = Field(1.0, gt=0, le=1)
     # A decode step (every sequence adds one token) of a given batch over the roofline's, as
     # (batch, scale) pairs by batch; linear in between, the last pair's beyond it, 1 without
     # pairs. A CPU's kernels for a few rows are not a roofline's: on the AVX-512 EPYC here in

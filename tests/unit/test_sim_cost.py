@@ -79,6 +79,21 @@ def test_a_served_workers_token_overhead_is_paid_per_sampled_sequence() -> None:
         [served.step_s(StepWork.of([(1, 300 // 4 + j, True)] * 4)) for j in range(10)])
 
 
+def test_prompt_attn_eff_slows_only_a_steps_attention_among_its_own_new_tokens() -> None:
+    dev = load_device("cpu-2core")
+    slow = dev.model_copy(update={"prompt_attn_eff": 0.25})
+    shape = load_shape("bench")
+    plain, r = Roofline(shape, dev), Roofline(shape, slow)
+    fresh, hit, decode = StepWork.of([(512, 0, True)]), StepWork.of([(1, 512, True)]), StepWork.of([(1, 300, True)] * 4)
+    own = r.prompt_attn_flops(fresh)
+    assert own == pytest.approx(4 * shape.layers * shape.heads * shape.head_dim * 512 * 513 / 2)
+    assert r.compute_s(fresh) == pytest.approx(plain.compute_s(fresh) + 3 * own / dev.peak_flops)
+    # a decode's or a hit's new token attends to itself too: its own pair only, the context at its own rate
+    pair = 4 * shape.layers * shape.heads * shape.head_dim
+    assert r.prompt_attn_flops(hit) == pytest.approx(pair) and r.prompt_attn_flops(decode) == pytest.approx(4 * pair)
+    assert r.compute_s(decode) == pytest.approx(plain.compute_s(decode), rel=0.01)
+
+
 def test_a_decode_step_takes_its_batch_s_scale_and_nothing_else_does() -> None:
     """decode_batch_scale: linear between its batches, the last one's beyond, on the engine's part
     of a step whose every sequence adds one token; prompts, mixed steps and a served worker's
