@@ -263,6 +263,7 @@ def _calibrate(args: argparse.Namespace) -> int:
                   f"fitted {e['predicted_s'] * 1000:8.2f} ms  ({e['error']:+.1%}; "
                   f"roofline {e['roofline_s'] / e['measured_s'] - 1:+.1%})")
         decode_attn = "" if profile.decode_attn_eff is None else f", a decode batch's at {profile.decode_attn_eff:.2f}"
+        decode_attn += f", a fresh prompt's among its own tokens at {profile.prompt_attn_eff:.2f}"
         print(f"peak {profile.peak_flops / 1e9:.1f} GFLOP/s (attention over cached context at "
               f"{profile.attn_eff:.2f} of it{decode_attn}), "
               f"memory {profile.mem_bw / 1e9:.1f} GB/s, "

@@ -52,6 +52,12 @@ def test_what_the_roofline_misses_at_a_decode_batch_is_kept_as_its_scale() -> No
     assert dict(profile.decode_batch_scale)[4] < scale[4]
 
 
+def _prompts() -> list[tuple[str, StepWork]]:
+    """calibrate's prompt steps: fresh prompts of four lengths and prefix hits over two contexts."""
+    works = [("prefill", StepWork.of([(n, 0, True)])) for n in (64, 256, 512, 1024)]
+    return works + [("prefill", StepWork.of([(n, c, True)])) for n, c in ((32, 512), (128, 512), (32, 1024))]
+
+
 def test_a_fresh_prompts_own_attention_gets_its_rate_from_prompts_of_several_lengths() -> None:
     """The dense causal kernel below the GEMMs (bfloat16 on the AVX-512 machine here): fitted at
     their rate, a 1,024-token prompt came out 11% low and a 64-token one 11% high."""
@@ -59,10 +65,8 @@ def test_a_fresh_prompts_own_attention_gets_its_rate_from_prompts_of_several_len
     truth = DeviceProfile(name="t", peak_flops=150e9, mem_bw=140e9, mem_bytes=8e9, step_overhead_s=0.008,
                           attn_eff=0.55, decode_attn_eff=0.14, prompt_attn_eff=0.25, dtype_bytes=2)
     r = Roofline(shape, truth)
-    works = [("prefill", StepWork.of([(n, 0, True)])) for n in (64, 256, 512, 1024)]
-    works += [("prefill", StepWork.of([(n, c, True)])) for n, c in ((32, 512), (128, 512), (32, 1024))]
-    works += [("decode", StepWork.of([(1, c, True)] * b)) for b, c in ((1, 275), (2, 275), (4, 275), (8, 275),
-                                                                          (4, 1043), (8, 1043))]
+    works = _prompts() + [("decode", StepWork.of([(1, c, True)] * b))
+                          for b, c in ((1, 275), (2, 275), (4, 275), (8, 275), (4, 1043), (8, 1043))]
     profile, report = fit(shape, [Sample(k, w, r.step_s(w)) for k, w in works], dtype_bytes=2)
     assert profile.prompt_attn_eff == pytest.approx(0.25, rel=1e-3)
     assert profile.attn_eff == pytest.approx(0.55, rel=1e-3)
@@ -124,8 +128,7 @@ def test_a_decode_batchs_attention_gets_its_own_rate_from_batches_at_two_context
     truth = DeviceProfile(name="t", peak_flops=70e9, mem_bw=100e9, mem_bytes=8e9, attn_eff=0.75,
                           decode_attn_eff=0.12, step_overhead_s=0.013, seq_overhead_s=0.001, dtype_bytes=4)
     r = Roofline(shape, truth)
-    works = [("prefill", StepWork.of([(n, 0, True)])) for n in (64, 256, 512, 1024)]
-    works += [("prefill", StepWork.of([(n, ctx, True)])) for n, ctx in ((32, 512), (128, 512), (32, 1024))]
+    works = _prompts()
     short = [("decode", StepWork.of([(1, 275, True)] * b)) for b in (1, 2, 4, 8)]
     long = [("decode", StepWork.of([(1, 1043, True)] * b)) for b in (4, 8)]
     profile, report = fit(shape, [Sample(k, w, r.step_s(w)) for k, w in works + short + long], dtype_bytes=4)
