@@ -2,7 +2,8 @@
 steps, measured on a running `brigade serve` with loadtest's HTTP target (so it lives at the
 edge: sim/ imports only engine and router), into a device profile's request_overhead_s,
 request_overhead_per_token_s, token_overhead_s, stream_cpu_s (with host_cores),
-handoff_overhead_s, kv_receive_cpu_per_token_s, corun_wait_s and corun_slowdown."""
+handoff_overhead_s, kv_receive_cpu_per_token_s, corun_wait_s, corun_slowdown and
+request_jitter_s."""
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +17,7 @@ import psutil
 from cluster.steal import StealMeter, cpu_times_s
 from loadtest.targets import TargetConfig, make_target
 from loadtest.types import Message, Prompt
-from sim.corun import HitScene, HitTtfts, fit_corun, handoff_to_match
+from sim.corun import HitScene, HitTtfts, fit_corun, handoff_to_match, jitter_quantiles
 from sim.cost import Roofline, StepWork
 from sim.hardware import DeviceProfile
 from sim.shapes import ModelShape
@@ -157,6 +158,8 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
     answer, not two: beside two, sharing the cores already gave the long hits most of their measured
     growth in the simulation, and the fit put the rest in a fixed 25 ms wait and no ceiling,
     which predicted the validation's 1P+1D tries worse than the one-answer fit (10 ms, 1.35).
+    request_jitter_s: the spread of those lone hits' TTFTs about their medians (sim/corun.py's
+    jitter_quantiles).
     `timer` (sim/step_timer.py, the engine of the same preset and threads as a served worker)
     times the engine's own step in this process just before each streaming round and each TTFT
     measurement, and what the serve adds is measured against that: this machine's speed drifts
@@ -335,6 +338,7 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
                      "simulated_alone_at_that_long_s": sim_alone.long_s}
             profile, fit_seen = fit_corun(profile.model_copy(update={"handoff_overhead_s": handoff}), scene, alone,
                                           beside)
+            profile = profile.model_copy(update={"request_jitter_s": jitter_quantiles(*ttfts[0])})
             seen |= {"hit_alone_s": alone.short_s, f"hit_beside_{corun_width}_s": beside.short_s,
                      "long_hit_alone_s": alone.long_s, f"long_hit_beside_{corun_width}_s": beside.long_s} | fit_seen
         return profile, seen | {"steal_share": stolen.share()}

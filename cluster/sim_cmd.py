@@ -225,6 +225,13 @@ def run(args: argparse.Namespace, _cfg) -> int:
     return 0
 
 
+def _spread_ms(quantiles: tuple[float, ...]) -> str:
+    """request_jitter_s's range about the median, in ms."""
+    if not quantiles:
+        return "0"
+    return f"{quantiles[0] * 1000:+.1f} to {quantiles[-1] * 1000:+.1f}"
+
+
 def _warn_stolen(share: float, what: str) -> None:
     from cluster.steal import STOLEN
 
@@ -287,8 +294,9 @@ def _calibrate(args: argparse.Namespace) -> int:
               f"{profile.decode_token_overhead_s * 1000:.2f} ms per streamed token beyond the engine's, "
               f"{profile.kv_receive_cpu_per_token_s * 1e6:.1f} us of CPU per KV token it receives, "
               f"{profile.decode_admit_overhead_s * 1000:.1f} ms before it takes a request in; a prompt "
-              f"step that starts beside another worker's decoding step waits {profile.corun_wait_s * 1000:.1f} ms, "
-              f"then gets at most 1/{profile.corun_slowdown:.2f} of a core ({seen})")
+              f"step that starts beside another worker's decoding step waits {profile.corun_wait_s * 1000:.1f} ms "
+              f"per answer it decodes, then gets at most 1/{profile.corun_slowdown:.2f} of a core; a request's "
+              f"serving path spreads {_spread_ms(profile.request_jitter_s)} ms about its median ({seen})")
         if seen.get("at_bound"):
             print(f"warning: the co-run fit stopped at a bound (wait {profile.corun_wait_s * 1000:.0f} ms, slowdown "
                   f"{profile.corun_slowdown:g}): the hits beside streams grew "

@@ -77,7 +77,8 @@ def hit_ttfts(profile: DeviceProfile, scene: HitScene, width: int | None = None)
     long: list[float] = []
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "profile.json"
-        path.write_text(profile.model_dump_json())
+        # Medians compared across a grid of profiles: each request at its median (no jitter).
+        path.write_text(profile.model_copy(update={"request_jitter_s": ()}).model_dump_json())
         cfg = FleetConfig(model=scene.model, device=str(path), link="gloo-loopback", block_size=scene.block_size,
                           scheduler=SchedulerConfig(), router=RouterConfig(), stream_every=1)
         for phase in range(scene.phases):
@@ -108,6 +109,17 @@ def handoff_to_match(profile: DeviceProfile, scene: HitScene, alone: HitTtfts) -
     sim = hit_ttfts(profile, scene, width=0)
     miss = ((alone.short_s - sim.short_s) + (alone.long_s - sim.long_s)) / 2
     return max(0.0, profile.handoff_overhead_s + miss), sim
+
+
+def jitter_quantiles(*samples: list[float], points: int = 11) -> tuple[float, ...]:
+    """DeviceProfile.request_jitter_s from lone requests' TTFTs: each list's samples less its
+    own median (requests of one kind), pooled, at `points` evenly spaced probabilities from 0
+    to 1 (the least, the quantiles between, the most)."""
+    spread = sorted(x - statistics.median(v) for v in samples if v for x in v)
+    if len(spread) < 2:
+        return ()
+    inner = statistics.quantiles(spread, n=points - 1, method="inclusive")
+    return (spread[0], *inner, spread[-1])
 
 
 # The grid fit_corun searches. The growths move in steps with either, not smoothly: a hit's

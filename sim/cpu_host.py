@@ -18,8 +18,15 @@ router's and the door's short-lived threads, which preempt it. So while another 
 decodes runs, a prompt step gets at most 1 / `corun_slowdown` of a core (1: no limit), and
 less when its fair share is less: a full machine's scheduler is fair over a step's length, and
 the preempting threads' CPU is already a job here (the streaming's), so the ceiling is not
-applied on top of the share. A prompt step that starts beside a decoding step also waits
-`corun_wait_s` first (off the cores): the growth is part fixed. Measured on one 1P+1D serve,
+applied on top of the share. A prompt step that starts beside decoding steps also waits
+`corun_wait_s` first (off the cores) per answer they decode: the growth is part fixed, and it
+grows with the answers streaming (each token wakes its own chunk's way out). A fixed wait,
+fitted beside one answer, put one prefill + one decode worker's hits beside three answers
+17-26 ms low (84-85 ms measured, the median miss per request, re-simulated from stop 42's
+recorded run); per answer, -3 to 8 ms. A step that decodes answers of its own (a colocated
+worker's mixed step) is spared both: it runs in the streaming's rhythm, and with them two
+colocated workers' hits beside three answers were simulated up to 12 ms high, without them
+within 2 ms. Measured on one 1P+1D serve,
 hits of 4 and of 96 new tokens over a cached 512-token prefix grew by 39 and 74 ms beside one
 stream: a ceiling alone fitted to the short hit (about 2) gave the long one 134 ms, and no
 ceiling matches both; a 10 ms wait and a 1.35 ceiling give 39 and 75. Two prompt steps side
@@ -42,7 +49,7 @@ class _Job:
     done: asyncio.Future
     step: bool = False  # a worker's engine step (not a request's way in or out)
     prompt: bool = False  # a step that computes prompt tokens (corun_slowdown applies to it)
-    decode: bool = False  # a step that samples tokens of running answers (which stream out)
+    decode: int = 0  # the running answers whose tokens the step samples (which stream out)
 
 
 class CpuHost:
@@ -69,16 +76,16 @@ class CpuHost:
         return min(1.0, self.cores / len(self._jobs)) if self._jobs else 1.0
 
     def _rate(self, job: _Job) -> float:
-        """`job`'s own rate: the fair share, at most 1 / corun_slowdown for a prompt step beside
-        another step that decodes."""
+        """`job`'s own rate: the fair share, at most 1 / corun_slowdown for a prompt step of no
+        answers of its own beside another step that decodes."""
         share = self.rate()
-        if job.prompt and self._decoding(besides=job):
+        if job.prompt and not job.decode and self._decoding(besides=job):
             return min(share, 1.0 / self.corun_slowdown)
         return share
 
-    def _decoding(self, besides: _Job | None = None) -> bool:
-        """Whether a step that decodes runs (other than `besides`)."""
-        return any(j.decode for j in self._jobs if j is not besides)
+    def _decoding(self, besides: _Job | None = None) -> int:
+        """The answers the running steps (other than `besides`) sample tokens of."""
+        return sum(j.decode for j in self._jobs if j is not besides)
 
     def spend(self, cpu_s: float) -> None:
         """Add `cpu_s` to the background work nobody waits for (the serving path's streaming:
@@ -94,18 +101,19 @@ class CpuHost:
         self._background.left_s += cpu_s
         self._plan(loop)
 
-    async def run(self, cpu_s: float, step: bool = False, prompt: bool = False, decode: bool = False) -> None:
+    async def run(self, cpu_s: float, step: bool = False, prompt: bool = False, decode: int = 0) -> None:
         """Take `cpu_s` seconds of one core's work, at this host's fair share (`step`: a
-        worker's engine step; `prompt`: one that computes prompt tokens, which corun_slowdown
-        slows beside another worker's step that `decode`s: samples tokens of running answers;
-        one that starts beside such a step first waits corun_wait_s)."""
+        worker's engine step; `prompt`: one that computes prompt tokens; `decode`: the running
+        answers it samples tokens of. A prompt step with none, started beside other steps that
+        decode, first waits corun_wait_s per answer they decode, then runs at most at 1 /
+        corun_slowdown of a core while any does)."""
         if cpu_s <= 0:
             return
-        if step and prompt and self.corun_wait_s and self._decoding():
-            await asyncio.sleep(self.corun_wait_s)
+        if step and prompt and not decode and self.corun_wait_s and (answers := self._decoding()):
+            await asyncio.sleep(self.corun_wait_s * answers)
         loop = asyncio.get_running_loop()
         self._advance(loop.time())
-        job = _Job(cpu_s, loop.create_future(), step, step and prompt, step and decode)
+        job = _Job(cpu_s, loop.create_future(), step, step and prompt, decode if step else 0)
         self._jobs.append(job)
         self._plan(loop)
         try:

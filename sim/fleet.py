@@ -3,6 +3,7 @@ through it on the virtual clock, reported in `brigade bench`'s result format."""
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ class FleetConfig(BaseModel):
                                         max_waiting_tokens=10**12)
     stream_every: int = Field(16, ge=1)  # tokens per stream chunk (ITL is measured per chunk)
     publish_delay_s: float = Field(0.05, ge=0)  # cache events reach the index this much later
-    seed: int = 0  # the random policy's draws
+    seed: int = 0  # the random policy's draws and the requests' serving-path jitter (the device's)
     failures: tuple[tuple[str, float], ...] = ()  # (worker id, virtual second): the worker dies then
 
     @model_validator(mode="after")
@@ -95,6 +96,7 @@ class Fleet:
         # The Picker draws the `random` policy from its own unseeded Random: seed it, so a
         # simulated run is the same every time (the router has no seed setting of its own).
         self.router.picker._rng.seed(cfg.seed)
+        self._jitter = random.Random(cfg.seed)
         self.workers: list[SimWorker] = []
         # A CPU machine's profile: one host's cores under every worker and the serving path.
         self.cpu = (CpuHost(self.device.host_cores, self.device.corun_slowdown, self.device.corun_wait_s)
@@ -143,7 +145,8 @@ class Fleet:
             await self.router.add_worker(w)
 
     def serving_path(self, prompt_tokens: int) -> ServingPath:
-        return ServingPath(self.request_overhead_s(prompt_tokens), self.device.stream_cpu_s, self.cpu)
+        jitter = self.device.jitter_s(self._jitter.random()) if self.device.request_jitter_s else 0.0
+        return ServingPath(self.request_overhead_s(prompt_tokens), self.device.stream_cpu_s, self.cpu, jitter)
 
 
 @dataclass(frozen=True)
@@ -152,11 +155,14 @@ class ServingPath:
     before the router sees it, half on its first chunk's way back) and `stream_cpu_s` per
     streamed token. On a CPU host both are work on its shared cores, so they stretch when
     the workers keep the cores busy and slow the workers' steps in turn; without a host the
-    overhead is a fixed delay and the streaming free."""
+    overhead is a fixed delay and the streaming free. `jitter_s`, this request's draw of the
+    device's request_jitter_s, lengthens its way in as a wait off the cores (a wake-up, a queue),
+    or, below the median, shortens the overhead's work there."""
 
     overhead_s: float = 0.0
     stream_cpu_s: float = 0.0
     cpu: CpuHost | None = None
+    jitter_s: float = 0.0
 
     async def take(self, seconds: float) -> None:
         if seconds > 0:
@@ -195,7 +201,9 @@ async def _request(router: Router, req: GenerateRequest, session_id: str, turn: 
     back_s = path.overhead_s / 2
     first: asyncio.Task | None = None  # the first chunk's way back (on a host, its length varies)
     try:
-        await path.take(path.overhead_s - back_s)
+        await path.take(path.overhead_s - back_s + min(0.0, path.jitter_s))
+        if path.jitter_s > 0:
+            await asyncio.sleep(path.jitter_s)
         async for chunk in router.generate(req):
             if chunk.token_ids:
                 path.streamed(len(chunk.token_ids))

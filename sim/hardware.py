@@ -88,13 +88,22 @@ class DeviceProfile(_Frozen):
     # Per streamed token, the serving path's CPU outside the worker's step (the router, the
     # door, the client), on host_cores beside the workers (calibrate --url; 0 for the GPUs).
     stream_cpu_s: float = Field(0.0, ge=0)
-    # On host_cores: a step computing prompt tokens that starts while another worker's step
-    # decodes first waits corun_wait_s, then gets at most 1 / corun_slowdown of a core, less if
-    # its fair share is less (run-queue waits behind the threads its tokens wake; a hit's
-    # growth there is part fixed, part proportional to its step: sim/cpu_host.py).
-    # calibrate --disagg-url fits both on a 1 prefill + 1 decode serve; 0 and 1: none.
+    # On host_cores: a step computing prompt tokens (and decoding none) that starts while other
+    # workers' steps decode first waits corun_wait_s per answer they decode, then gets at most
+    # 1 / corun_slowdown of a core, less if its fair share is less (run-queue waits behind the
+    # threads each streamed token wakes; a hit's growth there is part fixed, part proportional
+    # to its step: sim/cpu_host.py). calibrate --disagg-url fits both on a 1 prefill + 1 decode
+    # serve beside one answer; 0 and 1: none.
     corun_wait_s: float = Field(0.0, ge=0)
     corun_slowdown: float = Field(1.0, ge=1)
+    # A request's serving-path time beyond its median on a CPU host (thread wake-ups, run-queue
+    # waits, Ray's and gRPC's queues): quantiles at evenly spaced probabilities from 0 to 1, in
+    # seconds from the median, each request drawing one (FleetConfig.seed). calibrate
+    # --disagg-url takes them from its lone prefix hits' TTFTs; () : every request the median
+    # (the GPUs). Without them the simulated lone hits all took one time where the measured ones
+    # spread over 35-50 ms, and a run's p50 TTFT, which falls where the lone hits give way to
+    # those beside a stream, sat at the lone hits' median instead of their upper part.
+    request_jitter_s: tuple[float, ...] = ()
     dtype_bytes: int = Field(2, ge=1)  # weights and KV
     intra_link: str = "nvlink4"  # between the ranks of one TP group
     inter_link: str = "rdma-ndr400"  # between a prefill and a decode worker
@@ -111,6 +120,15 @@ class DeviceProfile(_Frozen):
                 return s0 + (s1 - s0) * (batch - b0) / (b1 - b0)
         return pairs[-1][1]
 
+    def jitter_s(self, u: float) -> float:
+        """request_jitter_s's value at probability `u` (in [0, 1]), linear between quantiles."""
+        q = self.request_jitter_s
+        if len(q) < 2:
+            return q[0] if q else 0.0
+        x = u * (len(q) - 1)
+        i = min(int(x), len(q) - 2)
+        return q[i] + (q[i + 1] - q[i]) * (x - i)
+
     def slowed(self, factor: float) -> DeviceProfile:
         """This device with every cost `factor` times as large: its rates divided by it, every
         time (per step, per sequence, per token, per request, the serving path's) multiplied.
@@ -119,7 +137,8 @@ class DeviceProfile(_Frozen):
             raise ValueError(f"a slowdown is >= 1, not {factor}")
         if factor == 1:
             return self
-        times = {k: v * factor for k, v in self if k.endswith("_s") and v is not None}
+        times = {k: tuple(x * factor for x in v) if isinstance(v, tuple) else v * factor
+                 for k, v in self if k.endswith("_s") and v is not None}
         return self.model_copy(update={"peak_flops": self.peak_flops / factor, "mem_bw": self.mem_bw / factor,
                                        **times})
 

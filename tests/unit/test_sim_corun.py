@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sim.corun import HitScene, HitTtfts, fit_corun, handoff_to_match, hit_ttfts
+from sim.corun import HitScene, HitTtfts, fit_corun, handoff_to_match, hit_ttfts, jitter_quantiles
 from sim.hardware import load_device
 
 # About this machine's speed (the 2-core Zen3 in float32): steps of tens of ms, as measured
@@ -78,3 +78,16 @@ def test_the_scene_is_simulated_at_spread_phases() -> None:
     spread = hit_ttfts(HOST, SCENE)
     assert SCENE.phases > 1 and spread != one  # more samples, at other phases of the decode steps
     assert abs(spread.short_s - one.short_s) < SCENE.phase_window_s + 0.03  # the same scene, not another
+
+
+def test_the_jitter_is_each_kinds_spread_about_its_own_median_pooled() -> None:
+    short = [0.030, 0.031, 0.032, 0.035, 0.050]  # median 0.032
+    long = [0.070, 0.068, 0.071]  # median 0.070
+    q = jitter_quantiles(short, long, points=5)
+    # pooled: -0.002, -0.002, -0.001, 0, 0, 0.001, 0.003, 0.018
+    assert q[0] == pytest.approx(-0.002) and q[-1] == pytest.approx(0.018)
+    assert q[2] == pytest.approx(0.0) and list(q) == sorted(q) and len(q) == 5
+    assert jitter_quantiles([0.03]) == () and jitter_quantiles() == ()
+    # A scene's simulation compares medians: it runs without the profile's jitter.
+    jittery = HOST.model_copy(update={"request_jitter_s": (-0.005, 0.0, 0.05)})
+    assert hit_ttfts(jittery, SCENE, width=0) == hit_ttfts(HOST, SCENE, width=0)

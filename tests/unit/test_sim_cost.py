@@ -148,9 +148,10 @@ def test_a_decode_batchs_attention_runs_at_its_own_rate() -> None:
 
 def test_a_slowed_device_takes_every_cost_times_the_factor() -> None:
     dev = load_device("cpu-2core").model_copy(update={"decode_token_overhead_s": 0.001, "stream_cpu_s": 0.004,
-                                                      "corun_slowdown": 1.5})
+                                                      "corun_slowdown": 1.5, "request_jitter_s": (-0.002, 0.0, 0.004)})
     slow = dev.slowed(1.25)
     assert slow.decode_token_overhead_s == pytest.approx(0.00125) and slow.stream_cpu_s == pytest.approx(0.005)
+    assert slow.request_jitter_s == pytest.approx((-0.0025, 0.0, 0.005))  # each quantile, not the tuple repeated
     assert slow.decode_worker_step_overhead_s is None and slow.corun_slowdown == 1.5  # a ratio, not a cost
     assert slow.host_cores == dev.host_cores and dev.slowed(1.0) is dev
     shape = load_shape("bench")
@@ -158,3 +159,12 @@ def test_a_slowed_device_takes_every_cost_times_the_factor() -> None:
         assert Roofline(shape, slow).step_s(w) == pytest.approx(1.25 * Roofline(shape, dev).step_s(w))
     with pytest.raises(ValueError, match=">= 1"):
         dev.slowed(0.8)
+
+
+def test_a_requests_jitter_is_its_draw_between_the_quantiles() -> None:
+    dev = load_device("cpu-2core")
+    assert dev.jitter_s(0.9) == 0.0  # none measured: every request at its median
+    dev = dev.model_copy(update={"request_jitter_s": (-0.004, -0.001, 0.0, 0.002, 0.010)})
+    assert [dev.jitter_s(u) for u in (0.0, 0.125, 0.5, 0.875, 1.0)] == pytest.approx(
+        [-0.004, -0.0025, 0.0, 0.006, 0.010])
+    assert dev.model_copy(update={"request_jitter_s": (0.003,)}).jitter_s(0.7) == 0.003

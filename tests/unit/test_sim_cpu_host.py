@@ -91,7 +91,7 @@ async def _step_ends_at(host: CpuHost, cpu_s: float, prompt: bool, decode: bool)
 def test_corun_slowdown_slows_a_prompt_step_beside_a_step_that_decodes() -> None:
     host = CpuHost(2, corun_slowdown=2.0)
 
-    def job(cpu_s: float, prompt: bool, decode: bool = False):
+    def job(cpu_s: float, prompt: bool, decode: int = 0):
         return _step_ends_at(host, cpu_s, prompt, decode)
 
     async def main():
@@ -104,18 +104,21 @@ def test_corun_slowdown_slows_a_prompt_step_beside_a_step_that_decodes() -> None
         two_prompts = await asyncio.gather(job(1.0, True), job(1.0, True))
         # Beside a decoding step (a hit as another starts decoding): the prompt step gets 1/2 of
         # a core while the decode step runs (1 s), then the rest alone; the decode is not slowed.
-        pair = await asyncio.gather(job(1.0, True), job(1.0, False, decode=True))
+        pair = await asyncio.gather(job(1.0, True), job(1.0, False, decode=1))
         # Beside one while tokens stream: 3 jobs, a fair share of 2/3 each, but the prompt step
         # gets 1/2 until the decode and the streaming end (1.5 s), then the rest alone.
         host.spend(1.0)
-        streaming_pair = await asyncio.gather(job(1.0, True), job(1.0, False, decode=True))
+        streaming_pair = await asyncio.gather(job(1.0, True), job(1.0, False, decode=1))
         # On a full host (4 jobs, 2 cores) the fair share (0.5) is already at the ceiling
         # (1 / 2): the prompt step is not slowed twice, all four end together 2 s later.
         host.spend(1.0)
-        full = await asyncio.gather(job(1.0, True), job(1.0, False, decode=True), host.run(1.0))
-        return alone, beside_streaming, beside_request, two_prompts, pair, streaming_pair, full[:2]
+        full = await asyncio.gather(job(1.0, True), job(1.0, False, decode=1), host.run(1.0))
+        # A colocated worker's mixed step (prompt tokens and answers of its own) beside another
+        # worker's decoding step: no ceiling, a core each.
+        mixed = await asyncio.gather(job(1.0, True, decode=2), job(1.0, False, decode=1))
+        return alone, beside_streaming, beside_request, two_prompts, pair, streaming_pair, full[:2], mixed
 
-    alone, beside_streaming, beside_request, two_prompts, pair, (prompt, decode), full = run_virtual(main())
+    alone, beside_streaming, beside_request, two_prompts, pair, (prompt, decode), full, mixed = run_virtual(main())
     assert alone == pytest.approx(1.0)
     assert beside_streaming == pytest.approx(2.0)  # 1 s, no corun slowdown
     assert beside_request == pytest.approx(3.0)
@@ -123,14 +126,15 @@ def test_corun_slowdown_slows_a_prompt_step_beside_a_step_that_decodes() -> None
     assert pair == pytest.approx([5.5, 5.0])
     assert decode == pytest.approx(7.0) and prompt == pytest.approx(7.25)
     assert full == pytest.approx([9.25, 9.25])
+    assert mixed == pytest.approx([10.25, 10.25])
     with pytest.raises(ValueError, match="slowdown"):
         CpuHost(2, corun_slowdown=0.5)
 
 
-def test_corun_wait_delays_a_prompt_step_that_starts_beside_a_step_that_decodes() -> None:
+def test_corun_wait_delays_a_prompt_step_per_answer_decoding_beside_it() -> None:
     host = CpuHost(2, corun_wait_s=0.25)
 
-    def job(cpu_s: float, prompt: bool, decode: bool = False):
+    def job(cpu_s: float, prompt: bool, decode: int = 0):
         return _step_ends_at(host, cpu_s, prompt, decode)
 
     async def main():
@@ -139,14 +143,29 @@ def test_corun_wait_delays_a_prompt_step_that_starts_beside_a_step_that_decodes(
         # Beside a decoding step: the prompt step waits 0.25 s off the cores, then runs 1 s;
         # the decode step is not delayed.
         loop = asyncio.get_running_loop()
-        decode = loop.create_task(job(2.0, False, decode=True))
+        decode = loop.create_task(job(2.0, False, decode=1))
         await asyncio.sleep(0)  # the decode step is on the host first
         prompt = await job(1.0, True)
-        return alone, two_prompts, prompt, await decode
+        decode = await decode
+        # Beside steps decoding 3 answers in all (batches of 2 and 1): 0.25 s per answer.
+        batches = [loop.create_task(job(2.0, False, decode=n)) for n in (2, 1)]
+        await asyncio.sleep(0)
+        started = loop.time()
+        three = await job(1.0, True) - started
+        await asyncio.gather(*batches)
+        # A mixed step (answers of its own) does not wait beside them.
+        other = loop.create_task(job(2.0, False, decode=3))
+        await asyncio.sleep(0)
+        started = loop.time()
+        mixed = await job(1.0, True, decode=1) - started
+        await other
+        return alone, two_prompts, prompt, decode, three, mixed
 
-    alone, two_prompts, prompt, decode = run_virtual(main())
+    alone, two_prompts, prompt, decode, three, mixed = run_virtual(main())
     assert alone == pytest.approx(1.0)
     assert two_prompts == pytest.approx([2.0, 2.0])
     assert prompt == pytest.approx(3.25) and decode == pytest.approx(4.0)
+    assert three == pytest.approx(0.75 + 1.5)  # then 3 jobs on 2 cores until the batches end
+    assert mixed == pytest.approx(1.0)
     with pytest.raises(ValueError, match="wait"):
         CpuHost(2, corun_wait_s=-1.0)

@@ -155,6 +155,30 @@ def test_a_profiles_request_overhead_is_in_every_ttft_and_e2e(tmp_path) -> None:
         assert slow[rid].output_tokens == plain[rid].output_tokens == 3
 
 
+def test_a_profiles_jitter_spreads_lone_requests_about_their_median(tmp_path) -> None:
+    """Each request draws its serving path's time about the median from the profile's
+    quantiles (a wait above it, less work below): lone requests' TTFTs spread as measured,
+    their median where it was, the same draws for the same seed."""
+    jitter = (-0.004, -0.002, 0.0, 0.003, 0.012)
+    plain = FLEET.model_copy(update={"device": _profile(tmp_path, request_overhead_s=0.010, host_cores=8)})
+    spread = plain.model_copy(update={"device": _profile(tmp_path, request_overhead_s=0.010, host_cores=8,
+                                                         request_jitter_s=jitter)})
+    prompt = list(range(64))
+    sessions = [SimSession(f"r{i}", 2.0 * i, ((prompt, 2),)) for i in range(41)]  # one at a time, all hits after r0
+
+    def ttfts(fleet: FleetConfig) -> list[float]:
+        return [r.ttft_s for r in sorted(simulate(fleet, sessions)["records"], key=lambda r: r.start_s)][1:]
+
+    base, got = ttfts(plain), ttfts(spread)
+    assert max(base) - min(base) == pytest.approx(0.0, abs=1e-9)
+    extra = sorted(g - base[0] for g in got)
+    assert extra[0] >= -0.004 - 1e-9 and extra[-1] <= 0.012 + 1e-9
+    assert extra[-1] - extra[0] > 0.010  # spread over most of the quantiles' range
+    assert extra[len(extra) // 2] == pytest.approx(0.0, abs=0.0015)  # about the median
+    assert ttfts(spread) == got
+    assert ttfts(spread.model_copy(update={"seed": 1})) != got
+
+
 def test_a_reservation_waits_for_the_decode_step_in_flight() -> None:
     """As the real decode worker's engine loop, which runs a reservation between steps."""
     transfer = LINK.transfer_s(COST.kv_bytes(64))
