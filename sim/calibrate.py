@@ -21,7 +21,11 @@ for both misfit a 1,024-token prompt or the hits by up to 20%. A decode batch's 
 (a few query rows per KV head over every sequence's gathered blocks: 0.12-0.16 of the
 matmuls' rate there), so decode batches are timed at a second, long context too and fit their own rate
 (decode_attn_eff): at the hits' rate a batch of 8 at 1,040 tokens came out 36 ms for 45 measured,
-and served decode workers under load ran 20-50% slower than simulated.
+and served decode workers under load ran 20-50% slower than simulated. Every batch at both
+contexts, not only the large ones: with batches 1 and 2 timed at 256 tokens alone, their scales
+(below) came from that context only, and a lone answer's decode steps over a 560-token context
+(every validated answer's) were fitted 0.2 ms slower than at 256 where the engine took 0.7 more
+(bfloat16 on the AVX-512 machine); the served lone answers were simulated 6-9% fast.
 
 A decode step does 0.5 flop per weight byte per sequence in float32 (1 in bfloat16), so where
 the machine's flops/byte ridge is low (float32 on a slow AVX2 core: 25 GFLOP/s against 47 GB/s)
@@ -187,7 +191,7 @@ def fit(shape: ModelShape, samples: list[Sample], dtype_bytes: int, name: str = 
 def measure(preset: str = "bench", prefill_lens: tuple[int, ...] = (64, 256, 512, 1024),
             extends: tuple[tuple[int, int], ...] = ((32, 512), (128, 512), (32, 1024)),
             decode_batches: tuple[int, ...] = (1, 2, 4, 8), context: int = 256,
-            long_decode_batches: tuple[int, ...] = (4, 8), long_context: int = 1024, rounds: int = 8,
+            long_decode_batches: tuple[int, ...] = (1, 2, 4, 8), long_context: int = 1024, rounds: int = 8,
             decode_steps: int = 4, threads: int | None = None,
             dtype: str = "auto") -> tuple[ModelShape, list[Sample], int]:
     """Time the real engine's steps on this machine (CPU, `dtype`; sim/step_timer.py); the samples
