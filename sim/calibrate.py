@@ -25,7 +25,7 @@ and served decode workers under load ran 20-50% slower than simulated. Every bat
 contexts, not only the large ones: with batches 1 and 2 timed at 256 tokens alone, their scales
 (below) came from that context only, and a lone answer's decode steps over a 560-token context
 (every validated answer's) were fitted 0.2 ms slower than at 256 where the engine took 0.7 more
-(bfloat16 on the AVX-512 machine); the served lone answers were simulated 6-9% fast.
+(bfloat16 on the AVX-512 machine); the served lone answers were simulated 5-10% fast.
 
 A decode step does 0.5 flop per weight byte per sequence in float32 (1 in bfloat16), so where
 the machine's flops/byte ridge is low (float32 on a slow AVX2 core: 25 GFLOP/s against 47 GB/s)
