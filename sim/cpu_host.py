@@ -48,7 +48,7 @@ class _Job:
     left_s: float  # of one core's work
     done: asyncio.Future
     step: bool = False  # a worker's engine step (not a request's way in or out)
-    prompt: bool = False  # a step that computes prompt tokens (corun_slowdown applies to it)
+    prompt: bool = False  # a step that computes prompt tokens (with decode 0, corun_slowdown applies to it)
     decode: int = 0  # the running answers whose tokens the step samples (which stream out)
 
 
@@ -79,13 +79,13 @@ class CpuHost:
         """`job`'s own rate: the fair share, at most 1 / corun_slowdown for a prompt step of no
         answers of its own beside another step that decodes."""
         share = self.rate()
-        if job.prompt and not job.decode and self._decoding(besides=job):
+        if job.prompt and not job.decode and self._decoding():
             return min(share, 1.0 / self.corun_slowdown)
         return share
 
-    def _decoding(self, besides: _Job | None = None) -> int:
-        """The answers the running steps (other than `besides`) sample tokens of."""
-        return sum(j.decode for j in self._jobs if j is not besides)
+    def _decoding(self) -> int:
+        """The answers the running steps sample tokens of."""
+        return sum(j.decode for j in self._jobs)
 
     def spend(self, cpu_s: float) -> None:
         """Add `cpu_s` to the background work nobody waits for (the serving path's streaming:

@@ -145,8 +145,8 @@ class Fleet:
             await self.router.add_worker(w)
 
     def serving_path(self, prompt_tokens: int) -> ServingPath:
-        jitter = self.device.jitter_s(self._jitter.random()) if self.device.request_jitter_s else 0.0
-        return ServingPath(self.request_overhead_s(prompt_tokens), self.device.stream_cpu_s, self.cpu, jitter)
+        return ServingPath(self.request_overhead_s(prompt_tokens), self.device.stream_cpu_s, self.cpu,
+                           self.device.jitter_s(self._jitter.random()))
 
 
 @dataclass(frozen=True)
