@@ -2,8 +2,8 @@
 steps, measured on a running `brigade serve` with loadtest's HTTP target (so it lives at the
 edge: sim/ imports only engine and router), into a device profile's request_overhead_s,
 request_overhead_per_token_s, token_overhead_s, stream_cpu_s (with host_cores),
-handoff_overhead_s, kv_receive_cpu_per_token_s, corun_wait_s, corun_slowdown and
-request_jitter_s."""
+handoff_overhead_s, kv_receive_cpu_per_token_s, corun_wait_s, corun_slowdown,
+decode_corun_slowdown and request_jitter_s."""
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +17,7 @@ import psutil
 from cluster.steal import StealMeter, cpu_times_s
 from loadtest.targets import TargetConfig, make_target
 from loadtest.types import Message, Prompt
-from sim.corun import HitScene, HitTtfts, fit_corun, handoff_to_match, jitter_quantiles
+from sim.corun import HitScene, HitTtfts, StreamGaps, fit_corun, fit_decode_corun, handoff_to_match, jitter_quantiles
 from sim.cost import Roofline, StepWork
 from sim.hardware import DeviceProfile
 from sim.shapes import ModelShape
@@ -114,7 +114,7 @@ def _serving_cpu_s(since: CpuSample, until: CpuSample) -> float:
 def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggregated: bool = False,
                     requests: int = 8, short_len: int = SHORT_LEN, long_len: int = 516,
                     decode_tokens: int = DECODE_TOKENS,
-                    streams: int = 4, rounds: int = 4, stream_rounds: int = 4, idle_s: float = 3.0,
+                    streams: int = 4, rounds: int = 8, stream_rounds: int = 4, idle_s: float = 3.0,
                     block_size: int = 16, corun_width: int = 1, corun_phases: int = HitScene.phases,
                     receive_requests: int = 3, timer: StepTimer | None = None) -> tuple[DeviceProfile, dict]:
     """The serving path's costs on a running `brigade serve` at `url` (of the preset the profile
@@ -152,12 +152,16 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
     `corun_width` long answers, in `rounds` interleaved rounds, alternately of a
     `long_len`-token prompt (its full blocks cached) and of those blocks with more new tokens
     of their own, whose growths the simulator is fitted to (sim/corun.py; the scene simulated
-    at `corun_phases` phases of the decode steps: each costs the fit's grid once more). Four rounds, not
-    two: with six short hits a width in each, two calibrations put the short hits' growth at
-    24 and 37 ms (and the fit's wait at 2.5 and 20 ms), three longer scenes at 27-29. One
+    at `corun_phases` phases of the decode steps: each costs the fit's grid once more). Eight
+    rounds (about a minute), not two: with six short hits a width in each, two calibrations put
+    the short hits' growth at 24 and 37 ms (and the fit's wait at 2.5 and 20 ms), three longer
+    scenes at 27-29; with four, the answer's pace beside the hits came out 1.11, 1.08 and 1.06x
+    its pace before them in three calibrations on one serve (a round's alone, 1.0-1.36x). One
     answer, not two: beside two, sharing the cores already gave the long hits most of their measured
     growth in the simulation, and the fit put the rest in a fixed 25 ms wait and no ceiling,
     which predicted the validation's 1P+1D tries worse than the one-answer fit (10 ms, 1.35).
+    decode_corun_slowdown: from the first answer's pace in those scenes, its tokens' mean gap
+    while the hits run against before the first (sim/corun.py's fit_decode_corun).
     request_jitter_s: the spread of those lone hits' TTFTs about their medians (sim/corun.py's
     jitter_quantiles).
     `timer` (sim/step_timer.py, the engine of the same preset and threads as a served worker)
@@ -176,14 +180,21 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
     stolen = StealMeter()
 
     async def one(target, prompt_len: int, max_tokens: int, i: int | None = None,
-                  token_ids: list[int] | None = None) -> tuple[float, float, int, float]:
+                  token_ids: list[int] | None = None, times: list[float] | None = None
+                  ) -> tuple[float, float, int, float]:
         """(TTFT, the last token's time, tokens, the first token's time to the second's) of one
-        answer (to `token_ids` where given)."""
+        answer (to `token_ids` where given); `times` gets each token's time as it comes (on
+        time.perf_counter's clock), and keeps them if the answer is cancelled."""
         i = next(ids) if i is None else i  # the same i: the same prompt (a prefix hit after the first)
         tokens = token_ids or [first_token] + [101 + (7 * i + 13 * j) % 997 for j in range(1, prompt_len)]
         prompt = Prompt(f"calibrate-{i}", "calibrate", (Message("user", tokens),), max_tokens)
         sent = time.perf_counter()
-        chunks = [c async for c in target.stream(prompt) if c.num_tokens]
+        chunks = []
+        async for c in target.stream(prompt):
+            if c.num_tokens:
+                chunks.append(c)
+                if times is not None:
+                    times += [c.time] * c.num_tokens
         second = chunks[1].time - chunks[0].time if len(chunks) > 1 else 0.0
         return chunks[0].time - sent, chunks[-1].time - sent, sum(c.num_tokens for c in chunks), second
 
@@ -208,27 +219,32 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
         finally:
             await t.aclose()
 
-    async def hits_beside(width: int, scene: HitScene) -> tuple[list[float], list[float]]:
+    async def hits_beside(width: int, scene: HitScene) -> tuple[list[float], list[float], StreamGaps | None]:
         """TTFTs of the scene's prefix hits (short, long), sent one at a time while `width`
-        answers stream."""
+        answers stream, and the first answer's pace before and beside them (None without one)."""
         t = target()
         salt = next(ids)  # this scene's own prompts: none cached by an earlier one
         hit = [first_token + salt % 97] + scene.hit_prompt()[1:]
         try:
             for _ in range(2):  # warm the path up and cache the prompt
                 await one(t, 0, 2, token_ids=hit)
-            streams = [asyncio.create_task(one(t, scene.short_len, scene.stream_len)) for _ in range(width)]
+            answer: list[float] = []
+            began = time.perf_counter()
+            streams = [asyncio.create_task(one(t, scene.short_len, scene.stream_len, times=answer if not i else None))
+                       for i in range(width)]
             await asyncio.sleep(scene.settle_s)  # past their prefills: decoding
             ttfts: tuple[list[float], list[float]] = ([], [])
+            first_hit = time.perf_counter()
             for k in range(scene.hits):
                 sent = time.perf_counter()
                 ids_k = scene.long_prompt(hit, k, salt) if k % 2 else hit
                 ttfts[k % 2].append((await one(t, 0, 2, token_ids=ids_k))[0])
-                await asyncio.sleep(max(0.0, scene.spacing_s - (time.perf_counter() - sent)))
+                answered = time.perf_counter()
+                await asyncio.sleep(max(0.0, scene.spacing_s - (answered - sent)))
             for task in streams:  # closes their connections: the router aborts them
                 task.cancel()
             await asyncio.gather(*streams, return_exceptions=True)
-            return ttfts
+            return (*ttfts, StreamGaps.of(answer, began, first_hit, answered, scene) if width else None)
         finally:
             await t.aclose()
 
@@ -326,11 +342,14 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
             scene = HitScene(shape.name, corun_width, hit_len=long_len, short_len=short_len, block_size=block_size,
                              phases=corun_phases)
             ttfts = {width: ([], []) for width in (0, corun_width)}
+            paces: list[StreamGaps] = []
             for _ in range(rounds):  # interleaved: the machine's speed drifts
                 for width, (short, long) in ttfts.items():
                     got = asyncio.run(hits_beside(width, scene))
                     short += got[0]
                     long += got[1]
+                    if got[2] is not None:
+                        paces.append(got[2])
             alone, beside = (HitTtfts(*map(statistics.median, v)) for v in ttfts.values())
             handoff, sim_alone = handoff_to_match(profile, scene, alone)
             seen |= {"handoff_from_cold_s": profile.handoff_overhead_s,
@@ -338,6 +357,9 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
                      "simulated_alone_at_that_long_s": sim_alone.long_s}
             profile, fit_seen = fit_corun(profile.model_copy(update={"handoff_overhead_s": handoff}), scene, alone,
                                           beside)
+            pace = StreamGaps(*(statistics.mean(p[i] for p in paces) for i in range(2)))
+            profile, decode_seen = fit_decode_corun(profile, scene, pace)
+            fit_seen |= decode_seen
             profile = profile.model_copy(update={"request_jitter_s": jitter_quantiles(*ttfts[0])})
             seen |= {"hit_alone_s": alone.short_s, f"hit_beside_{corun_width}_s": beside.short_s,
                      "long_hit_alone_s": alone.long_s, f"long_hit_beside_{corun_width}_s": beside.long_s} | fit_seen

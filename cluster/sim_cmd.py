@@ -121,7 +121,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                                           "its requests cost beyond --url's (handoff_overhead_s) and, on a CPU "
                                           "host, how much a prompt step slows beside another worker's "
                                           "(corun_wait_s and corun_slowdown, from prefix hits of two lengths "
-                                          "alone and beside a stream)")
+                                          "alone and beside a stream) and the stream beside them "
+                                          "(decode_corun_slowdown)")
     cal.add_argument("--serving-only", action="store_true",
                      help="keep the engine fit already in --out, measure only the serving path (--url, --disagg-url)")
     cal.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
@@ -295,7 +296,8 @@ def _calibrate(args: argparse.Namespace) -> int:
               f"{profile.kv_receive_cpu_per_token_s * 1e6:.1f} us of CPU per KV token it receives, "
               f"{profile.decode_admit_overhead_s * 1000:.1f} ms before it takes a request in; a prompt "
               f"step that starts beside another worker's decoding step waits {profile.corun_wait_s * 1000:.1f} ms "
-              f"per answer it decodes, then gets at most 1/{profile.corun_slowdown:.2f} of a core; a request's "
+              f"per answer it decodes, then gets at most 1/{profile.corun_slowdown:.2f} of a core, and a decode "
+              f"step beside another worker's prompt step at most 1/{profile.decode_corun_slowdown:.2f}; a request's "
               f"serving path spreads {_spread_ms(profile.request_jitter_s)} ms about its median ({seen})")
         if seen.get("at_bound"):
             print(f"warning: the co-run fit stopped at a bound (wait {profile.corun_wait_s * 1000:.0f} ms, slowdown "
@@ -304,6 +306,10 @@ def _calibrate(args: argparse.Namespace) -> int:
                   f"the model {seen['simulated_growth_short_s'] * 1000:.0f} and "
                   f"{seen['simulated_growth_long_s'] * 1000:.0f} ms (a busy or drifting machine, or more contention "
                   "than the model gives); the profile's TTFT beside streams will be off")
+        if seen.get("decode_at_bound"):
+            print(f"warning: the answer beside the hits slowed {seen['measured_answer_slowdown']:.2f}x, more than "
+                  f"the model gives at its bound ({seen['simulated_answer_slowdown']:.2f}x at a decode slowdown of "
+                  f"{profile.decode_corun_slowdown:g}); the profile's TPOT beside prompts will be low")
         _warn_stolen(seen["steal_share"], "the disaggregated serve's measurement")
     Path(args.out).write_text(profile.model_dump_json(indent=1))
     print(f"wrote {args.out}")

@@ -1,11 +1,13 @@
-"""The co-run costs of a CPU host (DeviceProfile.corun_wait_s and corun_slowdown,
-sim/cpu_host.py), fitted so that the simulator reproduces one measured scene: prefix hits sent
-one at a time to a 1 prefill + 1 decode fleet, alone and while `width` long answers stream
-from its decode worker. The hits alternate between two lengths of new tokens over the same
-cached prefix, so their steps are short and long: a fixed wait grows both alike, a ceiling on
-the step's share of a core grows the long one more; what they lose beyond a fair share is
-what the fit finds. `brigade sim calibrate --disagg-url` measures the scene
-(cluster/serving_costs.py) and calls `fit_corun`."""
+"""The co-run costs of a CPU host (DeviceProfile.corun_wait_s, corun_slowdown and
+decode_corun_slowdown, sim/cpu_host.py), fitted so that the simulator reproduces one measured
+scene: prefix hits sent one at a time to a 1 prefill + 1 decode fleet, alone and while `width`
+long answers stream from its decode worker. The hits alternate between two lengths of new
+tokens over the same cached prefix, so their steps are short and long: a fixed wait grows both
+alike, a ceiling on the step's share of a core grows the long one more; what they lose beyond a
+fair share is what `fit_corun` finds. The answer loses time too: its tokens come further apart
+while the hits run than before the first (`StreamGaps`), and `fit_decode_corun` finds the
+ceiling on its decode steps' share that makes the simulated answer lose as much. `brigade sim
+calibrate --disagg-url` measures the scene (cluster/serving_costs.py) and calls both."""
 from __future__ import annotations
 
 import statistics
@@ -27,7 +29,9 @@ class HitScene:
     `stream_len` tokens to distinct `short_len`-token prompts that began `settle_s` before the
     first hit. Even hits are one `hit_len`-token prompt (cached before: its full blocks are
     hits, the rest is computed); odd ones are those cached blocks and `long_new` tokens of
-    their own (a longer step over the same prefix)."""
+    their own (a longer step over the same prefix). The answer's tokens from `quiet_from_s`
+    after it was sent to the first hit are its pace alone (past its admission), those from the
+    first hit to the last one's answer its pace beside them."""
 
     model: str
     width: int
@@ -37,7 +41,8 @@ class HitScene:
     short_len: int = 4
     stream_len: int = 400
     spacing_s: float = 0.4
-    settle_s: float = 1.0
+    settle_s: float = 1.5
+    quiet_from_s: float = 0.3
     block_size: int = 16
     # Simulated `phases` times, each hit later by a golden-ratio share of `phase_window_s` (a
     # decode step or so), and the medians taken over all: real hits land at any phase of the
@@ -62,10 +67,44 @@ class HitTtfts(NamedTuple):
     long_s: float
 
 
+class StreamGaps(NamedTuple):
+    """An answer's mean time between tokens before the scene's first hit and while they run."""
+
+    quiet_s: float
+    beside_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.beside_s / self.quiet_s
+
+    @classmethod
+    def of(cls, times: list[float], sent: float, first_hit: float, last_answer: float, scene: HitScene) -> StreamGaps:
+        """From an answer's token times (on one clock with `sent`, the first hit's send and the
+        last hit's answer)."""
+        def mean_gap(start: float, end: float) -> float:
+            inside = [t for t in times if start <= t <= end]
+            if len(inside) < 2:
+                raise ValueError(f"the answer streamed {len(inside)} tokens in the scene's window "
+                                 f"{start - sent:.2f}-{end - sent:.2f} s: too few to time its pace")
+            return (inside[-1] - inside[0]) / (len(inside) - 1)
+
+        return cls(mean_gap(sent + scene.quiet_from_s, first_hit), mean_gap(first_hit, last_answer))
+
+
 def hit_ttfts(profile: DeviceProfile, scene: HitScene, width: int | None = None) -> HitTtfts:
     """The scene's simulated median TTFTs (beside `width` streams; None: the scene's), over
     its phases."""
-    width = scene.width if width is None else width
+    return _simulate(profile, scene, scene.width if width is None else width)[0]
+
+
+def stream_gaps(profile: DeviceProfile, scene: HitScene) -> StreamGaps:
+    """The scene's first answer's simulated pace alone and beside the hits, means over its phases."""
+    if scene.width < 1:
+        raise ValueError("a scene of no answer streams none to time")
+    return _simulate(profile, scene, scene.width)[1]
+
+
+def _simulate(profile: DeviceProfile, scene: HitScene, width: int) -> tuple[HitTtfts, StreamGaps | None]:
     hit = scene.hit_prompt()
     # Only the hits' times change from phase to phase.
     around = [SimSession("warm", 0.0, ((hit, 2),))]
@@ -75,6 +114,7 @@ def hit_ttfts(profile: DeviceProfile, scene: HitScene, width: int | None = None)
     first = 0.5 + scene.settle_s
     short: list[float] = []
     long: list[float] = []
+    gaps: list[StreamGaps] = []
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "profile.json"
         # Medians compared across a grid of profiles: each request at its median (no jitter).
@@ -84,10 +124,15 @@ def hit_ttfts(profile: DeviceProfile, scene: HitScene, width: int | None = None)
         for phase in range(scene.phases):
             sessions = around + [SimSession(f"hit{k}", first + k * scene.spacing_s + _phase(phase, k, scene),
                                             ((prompt, 2),)) for k, prompt in enumerate(prompts)]
-            ttft = {r.session_id: r.ttft_s for r in simulate(cfg, sessions)["records"]}
-            short += [ttft[f"hit{k}"] for k in range(0, scene.hits, 2)]
-            long += [ttft[f"hit{k}"] for k in range(1, scene.hits, 2)]
-    return HitTtfts(statistics.median(short), statistics.median(long))
+            records = {r.session_id: r for r in simulate(cfg, sessions)["records"]}
+            short += [records[f"hit{k}"].ttft_s for k in range(0, scene.hits, 2)]
+            long += [records[f"hit{k}"].ttft_s for k in range(1, scene.hits, 2)]
+            if width:
+                answer, last = records["stream0"], records[f"hit{scene.hits - 1}"]
+                gaps.append(StreamGaps.of([answer.start_s + t for t in answer.chunk_times_s], answer.start_s,
+                                          records["hit0"].start_s, last.start_s + last.e2e_s, scene))
+    mean_gaps = StreamGaps(*(statistics.mean(g[i] for g in gaps) for i in range(2))) if gaps else None
+    return HitTtfts(statistics.median(short), statistics.median(long)), mean_gaps
 
 
 def _phase(phase: int, k: int, scene: HitScene) -> float:
@@ -165,3 +210,24 @@ def fit_corun(profile: DeviceProfile, scene: HitScene, alone: HitTtfts, beside: 
         "simulated_alone_short_s": sim_alone.short_s, "simulated_alone_long_s": sim_alone.long_s,
         "growth_at_none_short_s": none.short_s, "growth_at_none_long_s": none.long_s,
         "at_bound": at_bound}
+
+
+# The ceilings fit_decode_corun tries on an answer's decode steps beside a prompt step.
+DECODE_SLOWDOWNS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0)
+
+
+def fit_decode_corun(profile: DeviceProfile, scene: HitScene, measured: StreamGaps,
+                     slowdowns: tuple[float, ...] = DECODE_SLOWDOWNS) -> tuple[DeviceProfile, dict]:
+    """The decode_corun_slowdown, of `slowdowns`, whose simulated scene slows its answer's pace
+    beside the hits (against its own pace before them: a ratio, so the engine's and the serving
+    path's speed that minute cancel) nearest to what was measured. On the 2-core machine here
+    the answer's tokens came 10-15% further apart while hits ran every 0.4 s, simulated 2-3%
+    further without it; and the validation's 1P+1D answers were simulated 5-14% low while a
+    prompt ran beside them, in every try. The profile with it set, and what was seen."""
+    grid = {k: stream_gaps(profile.model_copy(update={"decode_corun_slowdown": k}), scene).ratio for k in slowdowns}
+    best = min(grid, key=lambda k: abs(grid[k] - measured.ratio))
+    return profile.model_copy(update={"decode_corun_slowdown": best}), {
+        "measured_answer_gap_quiet_s": measured.quiet_s, "measured_answer_gap_beside_s": measured.beside_s,
+        "measured_answer_slowdown": measured.ratio, "simulated_answer_slowdown": grid[best],
+        "simulated_answer_slowdown_at_none": grid[1.0] if 1.0 in grid else stream_gaps(profile, scene).ratio,
+        "decode_at_bound": measured.ratio > grid[max(slowdowns)]}

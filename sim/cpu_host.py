@@ -36,6 +36,19 @@ measured beside 2 streams (its fit stopped at its bound in 4 of 5 calibrations) 
 sent as another hit starts decoding less than half of the 18 ms it lost
 (benchmarks/sim_micro.py's hit_after_hit). `brigade sim calibrate --disagg-url` fits both
 (cluster/serving_costs.py, sim/corun.py).
+
+The decoding side loses too: while another worker's step computes prompt tokens, a step of a
+disaggregated decode worker gets at most 1 / `decode_corun_slowdown` of a core (1: no limit).
+Each prompt's way in wakes the decode worker's own threads (its reservation, the KV pull, the
+admit), which take the engine thread's turn in its process; a colocated worker's decode step
+beside another's prompt has none of that, and with the ceiling on it too two colocated workers'
+answers at 4 req/s were simulated 16% slow and their p50 TTFTs 27-29% high (a run of stop 44,
+which fitted 1.75). In the validation's step logs the served decode
+steps took 1.03-1.20x the simulated ones, and per request the 1P+1D answers with a prompt
+arriving beside them were simulated 5-14% lower than those alone, in every try. Re-simulated
+with a ceiling of 2-2.5, that bias went (TPOT errors of three recorded runs' data: 0.229, 0.217,
+0.265 at 1; 0.134, 0.169, 0.175 at 2). Calibrate fits it from the co-run scene's answer, its
+pace beside the hits against before them (sim/corun.py's fit_decode_corun).
 """
 from __future__ import annotations
 
@@ -50,17 +63,22 @@ class _Job:
     step: bool = False  # a worker's engine step (not a request's way in or out)
     prompt: bool = False  # a step that computes prompt tokens (with decode 0, corun_slowdown applies to it)
     decode: int = 0  # the running answers whose tokens the step samples (which stream out)
+    receiving: bool = False  # a disaggregated decode worker's step (its requests come in from prefill workers)
 
 
 class CpuHost:
-    def __init__(self, cores: float, corun_slowdown: float = 1.0, corun_wait_s: float = 0.0):
+    def __init__(self, cores: float, corun_slowdown: float = 1.0, corun_wait_s: float = 0.0,
+                 decode_corun_slowdown: float = 1.0):
         if cores <= 0:
             raise ValueError(f"a host needs cores > 0, not {cores}")
         if corun_slowdown < 1:
             raise ValueError(f"corun_slowdown is a slowdown (>= 1), not {corun_slowdown}")
         if corun_wait_s < 0:
             raise ValueError(f"corun_wait_s is a wait (>= 0), not {corun_wait_s}")
+        if decode_corun_slowdown < 1:
+            raise ValueError(f"decode_corun_slowdown is a slowdown (>= 1), not {decode_corun_slowdown}")
         self.cores, self.corun_slowdown, self.corun_wait_s = cores, corun_slowdown, corun_wait_s
+        self.decode_corun_slowdown = decode_corun_slowdown
         self.cpu_s = 0.0  # work done, all jobs together
         self._jobs: list[_Job] = []
         self._since = 0.0  # when the jobs' left_s were last brought up to date
@@ -77,10 +95,13 @@ class CpuHost:
 
     def _rate(self, job: _Job) -> float:
         """`job`'s own rate: the fair share, at most 1 / corun_slowdown for a prompt step of no
-        answers of its own beside another step that decodes."""
+        answers of its own beside another step that decodes, and 1 / decode_corun_slowdown for a
+        receiving worker's decode step beside a prompt step."""
         share = self.rate()
         if job.prompt and not job.decode and self._decoding():
             return min(share, 1.0 / self.corun_slowdown)
+        if job.receiving and job.decode and self.decode_corun_slowdown > 1 and any(j.prompt for j in self._jobs):
+            return min(share, 1.0 / self.decode_corun_slowdown)
         return share
 
     def _decoding(self) -> int:
@@ -101,19 +122,22 @@ class CpuHost:
         self._background.left_s += cpu_s
         self._plan(loop)
 
-    async def run(self, cpu_s: float, step: bool = False, prompt: bool = False, decode: int = 0) -> None:
+    async def run(self, cpu_s: float, step: bool = False, prompt: bool = False, decode: int = 0,
+                  receiving: bool = False) -> None:
         """Take `cpu_s` seconds of one core's work, at this host's fair share (`step`: a
         worker's engine step; `prompt`: one that computes prompt tokens; `decode`: the running
-        answers it samples tokens of. A prompt step with none, started beside other steps that
-        decode, first waits corun_wait_s per answer they decode, then runs at most at 1 /
-        corun_slowdown of a core while any does)."""
+        answers it samples tokens of; `receiving`: the worker takes its requests in from prefill
+        workers. A prompt step with no answers, started beside other steps that decode, first
+        waits corun_wait_s per answer they decode, then runs at most at 1 / corun_slowdown of a
+        core while any does; a receiving worker's decode step at most at 1 /
+        decode_corun_slowdown while a prompt step runs)."""
         if cpu_s <= 0:
             return
         if step and prompt and not decode and self.corun_wait_s and (answers := self._decoding()):
             await asyncio.sleep(self.corun_wait_s * answers)
         loop = asyncio.get_running_loop()
         self._advance(loop.time())
-        job = _Job(cpu_s, loop.create_future(), step, step and prompt, decode if step else 0)
+        job = _Job(cpu_s, loop.create_future(), step, step and prompt, decode if step else 0, step and receiving)
         self._jobs.append(job)
         self._plan(loop)
         try:

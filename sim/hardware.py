@@ -96,6 +96,11 @@ class DeviceProfile(_Frozen):
     # serve beside one answer; 0 and 1: none.
     corun_wait_s: float = Field(0.0, ge=0)
     corun_slowdown: float = Field(1.0, ge=1)
+    # On host_cores: a disaggregated decode worker's step, while another worker's step computes
+    # prompt tokens, gets at most 1 / decode_corun_slowdown of a core (the prompt's way in wakes
+    # the decode worker's own threads: its reservation, the KV pull, the admit). calibrate
+    # --disagg-url fits it from the co-run scene's answer, streamed beside the hits and alone; 1: none.
+    decode_corun_slowdown: float = Field(1.0, ge=1)
     # A request's serving-path time beyond its median on a CPU host (thread wake-ups, run-queue
     # waits, Ray's and gRPC's queues): quantiles at evenly spaced probabilities from 0 to 1, in
     # seconds from the median, each request drawing one (FleetConfig.seed). calibrate

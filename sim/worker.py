@@ -99,7 +99,8 @@ class SimWorker:
             else:
                 repeats = 1
                 if self.cpu is not None:
-                    await self.cpu.run(seconds, step=True, prompt=any(prompt), decode=len(batch) - sum(prompt))
+                    await self.cpu.run(seconds, step=True, prompt=any(prompt), decode=len(batch) - sum(prompt),
+                                       receiving=self.role == "decode")
                 else:
                     await asyncio.sleep(seconds)
                 took, alone = loop.time() - now, seconds

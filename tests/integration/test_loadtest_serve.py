@@ -111,6 +111,9 @@ def test_sim_calibrate_measures_the_serving_path_of_brigade_serve(base_url: str)
     assert seen["hit_alone_s"] > 0 and seen["hit_beside_1_s"] > 0
     assert seen["long_hit_alone_s"] > 0 and seen["long_hit_beside_1_s"] > 0
     assert 0 <= disagg.corun_wait_s <= 0.1
+    # the answer streamed through the scene: its pace before the hits and beside them, and the fit's
+    assert seen["measured_answer_gap_quiet_s"] > 0 and seen["measured_answer_gap_beside_s"] > 0
+    assert 1.0 <= disagg.decode_corun_slowdown <= 4.0
     keep = ("request_overhead_s", "request_overhead_per_token_s", "token_overhead_s", "worker_step_overhead_s",
             "stream_cpu_s")
     assert {k: getattr(disagg, k) for k in keep} == {k: getattr(colocated, k) for k in keep}

@@ -1,11 +1,22 @@
 """corun_wait_s and corun_slowdown are fitted by simulating the measured scene (sim/corun.py):
 the fit finds the wait and the slowdown that made a scene's short and long hits slower, and
-none where sharing the cores explains it all; the handoff is set from the scene's lone hits."""
+none where sharing the cores explains it all; the handoff is set from the scene's lone hits; the
+decode slowdown is the one that slowed the scene's answer beside the hits."""
 from __future__ import annotations
 
 import pytest
 
-from sim.corun import HitScene, HitTtfts, fit_corun, handoff_to_match, hit_ttfts, jitter_quantiles
+from sim.corun import (
+    HitScene,
+    HitTtfts,
+    StreamGaps,
+    fit_corun,
+    fit_decode_corun,
+    handoff_to_match,
+    hit_ttfts,
+    jitter_quantiles,
+    stream_gaps,
+)
 from sim.hardware import load_device
 
 # About this machine's speed (the 2-core Zen3 in float32): steps of tens of ms, as measured
@@ -91,3 +102,32 @@ def test_the_jitter_is_each_kinds_spread_about_its_own_median_pooled() -> None:
     # A scene's simulation compares medians: it runs without the profile's jitter.
     jittery = HOST.model_copy(update={"request_jitter_s": (-0.005, 0.0, 0.05)})
     assert hit_ttfts(jittery, SCENE, width=0) == hit_ttfts(HOST, SCENE, width=0)
+
+
+def test_stream_gaps_time_the_answer_before_the_first_hit_and_beside_the_hits() -> None:
+    scene = HitScene("bench", width=1, quiet_from_s=0.3)
+    # sent at 10 s; tokens every 10 ms until the first hit at 11.5 s, then every 15 ms
+    times = [10.0 + 0.01 * i for i in range(151)] + [11.5 + 0.015 * i for i in range(1, 201)]
+    gaps = StreamGaps.of(times, 10.0, 11.5, 14.5, scene)
+    assert gaps.quiet_s == pytest.approx(0.01) and gaps.beside_s == pytest.approx(0.015)
+    assert gaps.ratio == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="too few"):
+        StreamGaps.of(times[:20], 10.0, 11.5, 14.5, scene)  # nothing after its admission
+
+
+def test_the_decode_fit_finds_the_slowdown_that_slowed_the_answer() -> None:
+    fair = stream_gaps(HOST, SCENE)
+    made = stream_gaps(HOST.model_copy(update={"decode_corun_slowdown": 2.0}), SCENE)
+    assert made.ratio > fair.ratio  # its steps beside the hits' prompt steps got less of a core
+    assert made.quiet_s == pytest.approx(fair.quiet_s)  # before the first hit nothing else ran
+    grid = (1.0, 1.5, 2.0, 3.0)
+    fitted, seen = fit_decode_corun(HOST, SCENE, made, slowdowns=grid)
+    assert fitted.decode_corun_slowdown == 2.0 and not seen["decode_at_bound"]
+    assert seen["simulated_answer_slowdown"] == pytest.approx(made.ratio)
+    assert seen["simulated_answer_slowdown_at_none"] == pytest.approx(fair.ratio)
+    assert fit_decode_corun(HOST, SCENE, fair, slowdowns=grid)[0].decode_corun_slowdown == 1.0
+    beyond = StreamGaps(made.quiet_s, 3 * made.beside_s)
+    fitted, seen = fit_decode_corun(HOST, SCENE, beyond, slowdowns=grid)
+    assert fitted.decode_corun_slowdown == 3.0 and seen["decode_at_bound"]
+    with pytest.raises(ValueError, match="no answer"):
+        stream_gaps(HOST, HitScene("bench", width=0))

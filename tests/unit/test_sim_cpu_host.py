@@ -169,3 +169,36 @@ def test_corun_wait_delays_a_prompt_step_per_answer_decoding_beside_it() -> None
     assert mixed == pytest.approx(1.0)
     with pytest.raises(ValueError, match="wait"):
         CpuHost(2, corun_wait_s=-1.0)
+
+
+def test_a_decode_workers_step_beside_another_workers_prompt_step_gets_at_most_its_ceiling() -> None:
+    host = CpuHost(2, decode_corun_slowdown=2.0)
+
+    async def decoding(cpu_s: float, decode: int = 1, receiving: bool = True) -> float:
+        """A step of a disaggregated decode worker (`receiving`) or of a colocated one."""
+        await host.run(cpu_s, step=True, decode=decode, receiving=receiving)
+        return asyncio.get_running_loop().time()
+
+    def prompt(cpu_s: float, decode: int = 0):
+        return _step_ends_at(host, cpu_s, True, decode)
+
+    async def main():
+        alone = await decoding(1.0)
+        two_decoding = await asyncio.gather(decoding(1.0), decoding(1.0, 2))  # no prompt: no ceiling
+        # Beside a 1 s prompt step the decode step runs at half a core: 0.5 s of its work in the
+        # first second, then the rest alone.
+        beside = await asyncio.gather(decoding(1.0), prompt(1.0))
+        # A mixed step (prompt tokens beside answers of its own) computes prompt tokens too.
+        beside_mixed = await asyncio.gather(decoding(1.0), prompt(1.0, decode=1))
+        # A colocated worker's decode step takes no requests in from others: a core of its own.
+        colocated = await asyncio.gather(decoding(1.0, receiving=False), prompt(1.0))
+        return alone, two_decoding, beside, beside_mixed, colocated
+
+    alone, two_decoding, beside, beside_mixed, colocated = run_virtual(main())
+    assert alone == pytest.approx(1.0)
+    assert two_decoding == pytest.approx([2.0, 2.0])
+    assert beside == pytest.approx([3.5, 3.0])
+    assert beside_mixed == pytest.approx([5.0, 4.5])
+    assert colocated == pytest.approx([6.0, 6.0])
+    with pytest.raises(ValueError, match="decode_corun_slowdown"):
+        CpuHost(2, decode_corun_slowdown=0.9)
