@@ -41,14 +41,15 @@ The decoding side loses too: while another worker's step computes prompt tokens,
 disaggregated decode worker gets at most 1 / `decode_corun_slowdown` of a core (1: no limit).
 Each prompt's way in wakes the decode worker's own threads (its reservation, the KV pull, the
 admit), which take the engine thread's turn in its process; a colocated worker's decode step
-beside another's prompt has none of that, and with the ceiling on it too two colocated workers'
-answers at 4 req/s were simulated 16% slow and their p50 TTFTs 27-29% high (a run of stop 44,
-which fitted 1.75). In the validation's step logs the served decode
-steps took 1.03-1.20x the simulated ones, and per request the 1P+1D answers with a prompt
-arriving beside them were simulated 5-14% lower than those alone, in every try. Re-simulated
-with a ceiling of 2-2.5, that bias went (TPOT errors of three recorded runs' data: 0.229, 0.217,
-0.265 at 1; 0.134, 0.169, 0.175 at 2). Calibrate fits it from the co-run scene's answer, its
-pace beside the hits against before them (sim/corun.py's fit_decode_corun).
+beside another's prompt has none of that (with the ceiling on it too, two colocated workers'
+answers at 4 req/s were simulated 16% slow in a run of stop 44 that fitted 1.75; without, 11%,
+its engine fits taken in slow spells: its served decode steps took 0.87x the simulated ones).
+In stop 43's validations the served decode steps took 1.03-1.20x the simulated ones, and
+per request the 1P+1D answers with a prompt arriving beside them were simulated 5-14% lower
+than those alone, in every try. Re-simulated with a ceiling of 2 on every worker's decode
+steps, three recorded runs' largest TPOT errors went 0.229, 0.217, 0.265 -> 0.134, 0.169, 0.175
+(docs/SIMULATOR.md, "Answers beside prompts"). Calibrate fits it from the co-run scene's
+answer, its pace beside the hits against before them (sim/corun.py's fit_decode_corun).
 """
 from __future__ import annotations
 
