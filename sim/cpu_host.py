@@ -101,7 +101,8 @@ class CpuHost:
         share = self.rate()
         if job.prompt and not job.decode and self._decoding():
             return min(share, 1.0 / self.corun_slowdown)
-        if job.receiving and job.decode and self.decode_corun_slowdown > 1 and any(j.prompt for j in self._jobs):
+        if (job.receiving and job.decode and self.decode_corun_slowdown > 1
+                and any(j.prompt and j is not job for j in self._jobs)):
             return min(share, 1.0 / self.decode_corun_slowdown)
         return share
 
