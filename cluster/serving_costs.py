@@ -221,7 +221,8 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
 
     async def hits_beside(width: int, scene: HitScene) -> tuple[list[float], list[float], StreamGaps | None]:
         """TTFTs of the scene's prefix hits (short, long), sent one at a time while `width`
-        answers stream, and the first answer's pace before and beside them (None without one)."""
+        answers stream, and the first answer's pace before and beside them (None without one, or
+        where it ended before the hits)."""
         t = target()
         salt = next(ids)  # this scene's own prompts: none cached by an earlier one
         hit = [first_token + salt % 97] + scene.hit_prompt()[1:]
@@ -244,7 +245,11 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
             for task in streams:  # closes their connections: the router aborts them
                 task.cancel()
             await asyncio.gather(*streams, return_exceptions=True)
-            return (*ttfts, StreamGaps.of(answer, began, first_hit, answered, scene) if width else None)
+            try:
+                pace = StreamGaps.of(answer, began, first_hit, answered, scene) if width else None
+            except ValueError:  # the answer ended before the hits (a fast model): nothing to time
+                pace = None
+            return (*ttfts, pace)
         finally:
             await t.aclose()
 
@@ -357,9 +362,12 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
                      "simulated_alone_at_that_long_s": sim_alone.long_s}
             profile, fit_seen = fit_corun(profile.model_copy(update={"handoff_overhead_s": handoff}), scene, alone,
                                           beside)
-            pace = StreamGaps(*(statistics.mean(p[i] for p in paces) for i in range(2)))
-            profile, decode_seen = fit_decode_corun(profile, scene, pace)
-            fit_seen |= decode_seen
+            if paces:
+                pace = StreamGaps(*(statistics.mean(p[i] for p in paces) for i in range(2)))
+                profile, decode_seen = fit_decode_corun(profile, scene, pace)
+                fit_seen |= decode_seen
+            else:  # decode_corun_slowdown stays as it was
+                fit_seen["decode_fit_skipped"] = "the scene's answer ended before the hits in every round"
             profile = profile.model_copy(update={"request_jitter_s": jitter_quantiles(*ttfts[0])})
             seen |= {"hit_alone_s": alone.short_s, f"hit_beside_{corun_width}_s": beside.short_s,
                      "long_hit_alone_s": alone.long_s, f"long_hit_beside_{corun_width}_s": beside.long_s} | fit_seen

@@ -306,6 +306,9 @@ def _calibrate(args: argparse.Namespace) -> int:
                   f"the model {seen['simulated_growth_short_s'] * 1000:.0f} and "
                   f"{seen['simulated_growth_long_s'] * 1000:.0f} ms (a busy or drifting machine, or more contention "
                   "than the model gives); the profile's TTFT beside streams will be off")
+        if seen.get("decode_fit_skipped"):
+            print(f"warning: decode_corun_slowdown not fitted ({seen['decode_fit_skipped']}); kept at "
+                  f"{profile.decode_corun_slowdown:g}")
         if seen.get("decode_at_bound"):
             print(f"warning: the answer beside the hits slowed {seen['measured_answer_slowdown']:.2f}x, more than "
                   f"the model gives at its bound ({seen['simulated_answer_slowdown']:.2f}x at a decode slowdown of "

@@ -97,8 +97,9 @@ def hit_ttfts(profile: DeviceProfile, scene: HitScene, width: int | None = None)
     return _simulate(profile, scene, scene.width if width is None else width)[0]
 
 
-def stream_gaps(profile: DeviceProfile, scene: HitScene) -> StreamGaps:
-    """The scene's first answer's simulated pace alone and beside the hits, means over its phases."""
+def stream_gaps(profile: DeviceProfile, scene: HitScene) -> StreamGaps | None:
+    """The scene's first answer's simulated pace alone and beside the hits, means over its phases
+    (None where it ended before the hits: a model that fast needs a longer answer to time)."""
     if scene.width < 1:
         raise ValueError("a scene of no answer streams none to time")
     return _simulate(profile, scene, scene.width)[1]
@@ -129,8 +130,11 @@ def _simulate(profile: DeviceProfile, scene: HitScene, width: int) -> tuple[HitT
             long += [records[f"hit{k}"].ttft_s for k in range(1, scene.hits, 2)]
             if width:
                 answer, last = records["stream0"], records[f"hit{scene.hits - 1}"]
-                gaps.append(StreamGaps.of([answer.start_s + t for t in answer.chunk_times_s], answer.start_s,
-                                          records["hit0"].start_s, last.start_s + last.e2e_s, scene))
+                try:
+                    gaps.append(StreamGaps.of([answer.start_s + t for t in answer.chunk_times_s], answer.start_s,
+                                              records["hit0"].start_s, last.start_s + last.e2e_s, scene))
+                except ValueError:  # the answer ended before the hits
+                    pass
     mean_gaps = StreamGaps(*(statistics.mean(g[i] for g in gaps) for i in range(2))) if gaps else None
     return HitTtfts(statistics.median(short), statistics.median(long)), mean_gaps
 
@@ -224,11 +228,15 @@ def fit_decode_corun(profile: DeviceProfile, scene: HitScene, measured: StreamGa
     the answer's tokens came 1.06-1.12x further apart beside the hits than before them (five
     calibrations), simulated 1.05-1.06x without it; and the validation's 1P+1D answers were
     simulated 5-14% low while a prompt ran beside them, in every try of stop 43's recorded run.
-    The profile with it set, and what was seen."""
-    grid = {k: stream_gaps(profile.model_copy(update={"decode_corun_slowdown": k}), scene).ratio for k in slowdowns}
+    The profile with it set, and what was seen; the profile as it was where the simulated answer
+    ends before the hits (a model too fast for the scene's answer)."""
+    paces = {k: stream_gaps(profile.model_copy(update={"decode_corun_slowdown": k}), scene) for k in slowdowns}
+    if any(p is None for p in paces.values()):
+        return profile, {"decode_fit_skipped": "the simulated answer ended before the scene's hits"}
+    grid = {k: p.ratio for k, p in paces.items()}
     best = min(grid, key=lambda k: abs(grid[k] - measured.ratio))
     return profile.model_copy(update={"decode_corun_slowdown": best}), {
         "measured_answer_gap_quiet_s": measured.quiet_s, "measured_answer_gap_beside_s": measured.beside_s,
         "measured_answer_slowdown": measured.ratio, "simulated_answer_slowdown": grid[best],
-        "simulated_answer_slowdown_at_none": grid[1.0] if 1.0 in grid else stream_gaps(profile, scene).ratio,
+        "simulated_answer_slowdown_at_none": grid.get(1.0),
         "decode_at_bound": measured.ratio > grid[max(slowdowns)]}

@@ -83,7 +83,12 @@ def test_sim_calibrate_measures_the_serving_path_of_brigade_serve(base_url: str)
     engine_fit = DeviceProfile(name="this-machine", peak_flops=20e9, mem_bw=20e9, mem_bytes=8e9,
                                step_overhead_s=0.001, dtype_bytes=4, host_cores=2.0)
     short = {"requests": 3, "long_len": 68, "decode_tokens": 12, "streams": 2, "rounds": 1, "stream_rounds": 1}
-    colocated, seen = measure_serving(base_url, engine_fit, shape, **short)
+    # As `brigade sim calibrate` measures: against the engine's own steps timed in this process at
+    # the same moment. Without it the prompts' steps were the profile's, with the serving terms
+    # just measured from one short streaming round added; on a loaded CI run those came out above
+    # the short prompt's whole TTFT and both request terms were clamped to 0.
+    timer = step_timer("tiny", "float32", threads=1)
+    colocated, seen = measure_serving(base_url, engine_fit, shape, timer=timer, **short)
     # The line through the short and the long prompt's medians: its intercept is clamped at 0
     # when a busy moment lifts the long one (once on a loaded 2-core CI run, 3 requests each), so
     # what is certain is the short prompt's whole cost, above 0 and (the intercept) within its TTFT.
@@ -95,8 +100,6 @@ def test_sim_calibrate_measures_the_serving_path_of_brigade_serve(base_url: str)
     assert seen["idle_cpu_rate"] >= -0.05  # the machine's busy time less the workers': never below 0 but a tick
     assert colocated.host_cores == 2.0 and colocated.decode_token_overhead_s is None
 
-    # This pass measures against the engine's own steps timed in this process at the same moment.
-    timer = step_timer("tiny", "float32", threads=1)
     # the co-run scene simulated at one phase, not three: the fit's grid is most of this test's time
     disagg, seen = measure_serving(base_url, colocated, shape, disaggregated=True, timer=timer, corun_phases=1,
                                    **short)
@@ -111,9 +114,13 @@ def test_sim_calibrate_measures_the_serving_path_of_brigade_serve(base_url: str)
     assert seen["hit_alone_s"] > 0 and seen["hit_beside_1_s"] > 0
     assert seen["long_hit_alone_s"] > 0 and seen["long_hit_beside_1_s"] > 0
     assert 0 <= disagg.corun_wait_s <= 0.1
-    # the answer streamed through the scene: its pace before the hits and beside them, and the fit's
-    assert seen["measured_answer_gap_quiet_s"] > 0 and seen["measured_answer_gap_beside_s"] > 0
-    assert 1.0 <= disagg.decode_corun_slowdown <= 4.0
+    # the answer streamed through the scene: its pace before the hits and beside them, and the fit's;
+    # the tiny model may finish its 400 tokens before the first hit, and then the fit says so
+    if "decode_fit_skipped" in seen:
+        assert "ended before" in seen["decode_fit_skipped"] and disagg.decode_corun_slowdown == 1.0
+    else:
+        assert seen["measured_answer_gap_quiet_s"] > 0 and seen["measured_answer_gap_beside_s"] > 0
+        assert 1.0 <= disagg.decode_corun_slowdown <= 4.0
     keep = ("request_overhead_s", "request_overhead_per_token_s", "token_overhead_s", "worker_step_overhead_s",
             "stream_cpu_s")
     assert {k: getattr(disagg, k) for k in keep} == {k: getattr(colocated, k) for k in keep}

@@ -131,3 +131,8 @@ def test_the_decode_fit_finds_the_slowdown_that_slowed_the_answer() -> None:
     assert fitted.decode_corun_slowdown == 3.0 and seen["decode_at_bound"]
     with pytest.raises(ValueError, match="no answer"):
         stream_gaps(HOST, HitScene("bench", width=0))
+    # An answer that ends before the hits has no pace beside them: the fit leaves the profile be.
+    brief = HitScene("bench", width=1, stream_len=8)
+    assert stream_gaps(HOST, brief) is None
+    kept, seen = fit_decode_corun(HOST.model_copy(update={"decode_corun_slowdown": 1.5}), brief, made, slowdowns=grid)
+    assert kept.decode_corun_slowdown == 1.5 and "ended before" in seen["decode_fit_skipped"]
