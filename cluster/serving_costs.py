@@ -363,8 +363,7 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
             profile, fit_seen = fit_corun(profile.model_copy(update={"handoff_overhead_s": handoff}), scene, alone,
                                           beside)
             if paces:
-                pace = StreamGaps(*(statistics.mean(p[i] for p in paces) for i in range(2)))
-                profile, decode_seen = fit_decode_corun(profile, scene, pace)
+                profile, decode_seen = fit_decode_corun(profile, scene, StreamGaps.mean(paces))
                 fit_seen |= decode_seen
             else:  # decode_corun_slowdown stays as it was
                 fit_seen["decode_fit_skipped"] = "the scene's answer ended before the hits in every round"

@@ -90,6 +90,11 @@ class StreamGaps(NamedTuple):
 
         return cls(mean_gap(sent + scene.quiet_from_s, first_hit), mean_gap(first_hit, last_answer))
 
+    @classmethod
+    def mean(cls, paces: list[StreamGaps]) -> StreamGaps:
+        """Each gap's mean over several scenes' (or phases')."""
+        return cls(*(statistics.mean(p[i] for p in paces) for i in range(2)))
+
 
 def hit_ttfts(profile: DeviceProfile, scene: HitScene, width: int | None = None) -> HitTtfts:
     """The scene's simulated median TTFTs (beside `width` streams; None: the scene's), over
@@ -135,8 +140,7 @@ def _simulate(profile: DeviceProfile, scene: HitScene, width: int) -> tuple[HitT
                                               records["hit0"].start_s, last.start_s + last.e2e_s, scene))
                 except ValueError:  # the answer ended before the hits
                     pass
-    mean_gaps = StreamGaps(*(statistics.mean(g[i] for g in gaps) for i in range(2))) if gaps else None
-    return HitTtfts(statistics.median(short), statistics.median(long)), mean_gaps
+    return HitTtfts(statistics.median(short), statistics.median(long)), StreamGaps.mean(gaps) if gaps else None
 
 
 def _phase(phase: int, k: int, scene: HitScene) -> float:
