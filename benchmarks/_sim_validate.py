@@ -178,7 +178,8 @@ def calibrate(model: str, threads: int, out: Path, attempts: int = 3) -> dict:
 # is a ratio and stays.
 SERVING_TIMES = ("request_overhead_s", "request_overhead_per_token_s", "worker_step_overhead_s", "token_overhead_s",
                  "decode_worker_step_overhead_s", "decode_token_overhead_s", "handoff_overhead_s",
-                 "decode_admit_overhead_s", "kv_receive_cpu_per_token_s", "stream_cpu_s", "corun_wait_s")
+                 "decode_admit_overhead_s", "kv_receive_cpu_per_token_s", "stream_cpu_s", "corun_wait_s",
+                 "corun_wait_per_answer_s")
 
 
 def engine_fit_around(model: str, before: dict, after: dict, serving: dict) -> dict:

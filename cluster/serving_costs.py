@@ -17,7 +17,16 @@ import psutil
 from cluster.steal import StealMeter, cpu_times_s
 from loadtest.targets import TargetConfig, make_target
 from loadtest.types import Message, Prompt
-from sim.corun import HitScene, HitTtfts, StreamGaps, fit_corun, fit_decode_corun, handoff_to_match, jitter_quantiles
+from sim.corun import (
+    HitScene,
+    HitTtfts,
+    StreamGaps,
+    fit_corun,
+    fit_decode_corun,
+    fit_wait_per_answer,
+    handoff_to_match,
+    jitter_quantiles,
+)
 from sim.cost import Roofline, StepWork
 from sim.hardware import DeviceProfile
 from sim.shapes import ModelShape
@@ -115,7 +124,8 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
                     requests: int = 8, short_len: int = SHORT_LEN, long_len: int = 516,
                     decode_tokens: int = DECODE_TOKENS,
                     streams: int = 4, rounds: int = 8, stream_rounds: int = 4, idle_s: float = 3.0,
-                    block_size: int = 16, corun_width: int = 1, corun_phases: int = HitScene.phases,
+                    block_size: int = 16, corun_width: int = 1, corun_wide_width: int = 3,
+                    corun_phases: int = HitScene.phases,
                     receive_requests: int = 3, timer: StepTimer | None = None) -> tuple[DeviceProfile, dict]:
     """The serving path's costs on a running `brigade serve` at `url` (of the preset the profile
     was fitted on), through loadtest's HTTP target as `brigade bench` sends requests; distinct
@@ -160,9 +170,12 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
     answer, not two: beside two, sharing the cores already gave the long hits most of their measured
     growth in the simulation, and the fit put the rest in a fixed 25 ms wait and no ceiling,
     which predicted the validation's 1P+1D tries worse than the one-answer fit (10 ms, 1.35).
+    corun_wait_per_answer_s: the same hits beside `corun_wide_width` answers (a third scene in
+    each round; 0: none, the wait the same beside any number), fitted after those two
+    (sim/corun.py's fit_wait_per_answer).
     decode_corun_slowdown: from the first answer's pace in those scenes, its tokens' mean gap
     while the hits run against before the first (sim/corun.py's fit_decode_corun).
-    request_jitter_s: the spread of those lone hits' TTFTs about their medians (sim/corun.py's
+    request_jitter_s: the spread of the short lone hits' TTFTs about their median (sim/corun.py's
     jitter_quantiles).
     `timer` (sim/step_timer.py, the engine of the same preset and threads as a served worker)
     times the engine's own step in this process just before each streaming round and each TTFT
@@ -346,28 +359,39 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
                 f"decode_cpu_per_request_{n}_s": cpu for n, (cpu, _) in per_request.items()}
             scene = HitScene(shape.name, corun_width, hit_len=long_len, short_len=short_len, block_size=block_size,
                              phases=corun_phases)
-            ttfts = {width: ([], []) for width in (0, corun_width)}
+            widths = (0, corun_width, corun_wide_width) if corun_wide_width > corun_width else (0, corun_width)
+            ttfts = {width: ([], []) for width in widths}
             paces: list[StreamGaps] = []
             for _ in range(rounds):  # interleaved: the machine's speed drifts
                 for width, (short, long) in ttfts.items():
                     got = asyncio.run(hits_beside(width, scene))
                     short += got[0]
                     long += got[1]
-                    if got[2] is not None:
+                    if got[2] is not None and width == corun_width:
                         paces.append(got[2])
-            alone, beside = (HitTtfts(*map(statistics.median, v)) for v in ttfts.values())
+            alone, beside, *wide = (HitTtfts(*map(statistics.median, v)) for v in ttfts.values())
             handoff, sim_alone = handoff_to_match(profile, scene, alone)
             seen |= {"handoff_from_cold_s": profile.handoff_overhead_s,
                      "simulated_alone_at_that_short_s": sim_alone.short_s,
                      "simulated_alone_at_that_long_s": sim_alone.long_s}
             profile, fit_seen = fit_corun(profile.model_copy(update={"handoff_overhead_s": handoff}), scene, alone,
                                           beside)
+            if wide:
+                profile, wide_seen = fit_wait_per_answer(profile, scene, corun_wide_width, alone, wide[0])
+                fit_seen |= wide_seen | {f"hit_beside_{corun_wide_width}_s": wide[0].short_s,
+                                         f"long_hit_beside_{corun_wide_width}_s": wide[0].long_s}
             if paces:
                 profile, decode_seen = fit_decode_corun(profile, scene, StreamGaps.mean(paces))
                 fit_seen |= decode_seen
             else:  # decode_corun_slowdown stays as it was
                 fit_seen["decode_fit_skipped"] = "the scene's answer ended before the hits in every round"
-            profile = profile.model_copy(update={"request_jitter_s": jitter_quantiles(*ttfts[0])})
+            # The short lone hits' only: the simulator times every step as its fit, so their
+            # spread is the serving path's; the long hits' holds their 96 more tokens' step noise
+            # too (quartiles -4.0 and +4.6 ms about their median against the short's -2.8 and
+            # +2.1; pooled, 1P+1D's simulated lone hits at 1 req/s spread to +11 ms at their 90th
+            # percentile where the validation's hits of 32 new tokens spread to +7).
+            profile = profile.model_copy(update={"request_jitter_s": jitter_quantiles(ttfts[0][0])})
+            seen["jitter_long_s"] = jitter_quantiles(ttfts[0][1], points=5)
             seen |= {"hit_alone_s": alone.short_s, f"hit_beside_{corun_width}_s": beside.short_s,
                      "long_hit_alone_s": alone.long_s, f"long_hit_beside_{corun_width}_s": beside.long_s} | fit_seen
         return profile, seen | {"steal_share": stolen.share()}

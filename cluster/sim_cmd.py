@@ -121,8 +121,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                                           "its requests cost beyond --url's (handoff_overhead_s) and, on a CPU "
                                           "host, how much a prompt step slows beside another worker's "
                                           "(corun_wait_s and corun_slowdown, from prefix hits of two lengths "
-                                          "alone and beside a stream) and the stream beside them "
-                                          "(decode_corun_slowdown)")
+                                          "alone and beside a stream; corun_wait_per_answer_s, beside three) "
+                                          "and the stream beside them (decode_corun_slowdown)")
     cal.add_argument("--serving-only", action="store_true",
                      help="keep the engine fit already in --out, measure only the serving path (--url, --disagg-url)")
     cal.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
@@ -296,7 +296,8 @@ def _calibrate(args: argparse.Namespace) -> int:
               f"{profile.kv_receive_cpu_per_token_s * 1e6:.1f} us of CPU per KV token it receives, "
               f"{profile.decode_admit_overhead_s * 1000:.1f} ms before it takes a request in; a prompt "
               f"step that starts beside another worker's decoding step waits {profile.corun_wait_s * 1000:.1f} ms "
-              f"per answer it decodes, then gets at most 1/{profile.corun_slowdown:.2f} of a core, and a decode "
+              f"and {profile.corun_wait_per_answer_s * 1000:.1f} ms more per answer it decodes beyond the first, "
+              f"then gets at most 1/{profile.corun_slowdown:.2f} of a core, and a decode "
               f"step beside another worker's prompt step at most 1/{profile.decode_corun_slowdown:.2f}; a request's "
               f"serving path spreads {_spread_ms(profile.request_jitter_s)} ms about its median ({seen})")
         if seen.get("at_bound"):
@@ -306,6 +307,11 @@ def _calibrate(args: argparse.Namespace) -> int:
                   f"the model {seen['simulated_growth_short_s'] * 1000:.0f} and "
                   f"{seen['simulated_growth_long_s'] * 1000:.0f} ms (a busy or drifting machine, or more contention "
                   "than the model gives); the profile's TTFT beside streams will be off")
+        if seen.get("wide_at_bound"):
+            print(f"warning: the co-run wait per answer stopped at its bound "
+                  f"({profile.corun_wait_per_answer_s * 1000:.0f} ms): the hits beside several answers grew more "
+                  "than the model gives (a busy or drifting machine); the profile's TTFT beside several streams "
+                  "will be low")
         if seen.get("decode_fit_skipped"):
             print(f"warning: decode_corun_slowdown not fitted ({seen['decode_fit_skipped']}); kept at "
                   f"{profile.decode_corun_slowdown:g}")

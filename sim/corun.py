@@ -220,6 +220,38 @@ def fit_corun(profile: DeviceProfile, scene: HitScene, alone: HitTtfts, beside: 
         "at_bound": at_bound}
 
 
+# The waits fit_wait_per_answer tries for each answer beyond the first.
+WAITS_PER_ANSWER_S = tuple(0.001 * i for i in range(21))  # 0 to 20 ms
+
+
+def fit_wait_per_answer(profile: DeviceProfile, scene: HitScene, width: int, alone: HitTtfts, beside: HitTtfts,
+                        waits_s: tuple[float, ...] = WAITS_PER_ANSWER_S) -> tuple[DeviceProfile, dict]:
+    """The corun_wait_per_answer_s, of `waits_s`, whose scene simulated beside `width` (> 1)
+    answers grows the hits' TTFTs nearest to what was measured beside them (least squares over
+    the short and the long hits, as fit_corun; run after it, on its wait and ceiling). Measured
+    per request in stop 44's recorded run, 1P+1D hits grew about 23 ms beside one answer and
+    7-8 ms more per answer after it, most of which sharing the cores gives them; a wait of
+    fit_corun's 10 ms for each answer put those beside three 21-28 ms high. Two calibrations
+    on one serve fitted 0 and 7 ms. The profile with it set, and what was seen
+    (`wide_at_bound`: the growth measured is more than the grid's largest wait gives)."""
+    if width < 2:
+        raise ValueError(f"a wait per answer beyond the first needs a scene of 2 or more, not {width}")
+    sim_alone = hit_ttfts(profile, scene, width=0)
+    want = HitTtfts(beside.short_s - alone.short_s, beside.long_s - alone.long_s)
+    grid = {}
+    for w in waits_s:
+        b = hit_ttfts(profile.model_copy(update={"corun_wait_per_answer_s": w}), scene, width)
+        grid[w] = HitTtfts(b.short_s - sim_alone.short_s, b.long_s - sim_alone.long_s)
+    best = min(grid, key=lambda w: (grid[w].short_s - want.short_s) ** 2 + (grid[w].long_s - want.long_s) ** 2)
+    most = grid[max(waits_s)]
+    return profile.model_copy(update={"corun_wait_per_answer_s": best}), {
+        f"measured_growth_{width}_short_s": want.short_s, f"measured_growth_{width}_long_s": want.long_s,
+        f"simulated_growth_{width}_short_s": grid[best].short_s, f"simulated_growth_{width}_long_s": grid[best].long_s,
+        f"growth_{width}_at_no_extra_short_s": grid[min(waits_s)].short_s,
+        f"growth_{width}_at_no_extra_long_s": grid[min(waits_s)].long_s,
+        "wide_at_bound": want.short_s > most.short_s or want.long_s > most.long_s}
+
+
 # The ceilings fit_decode_corun tries on an answer's decode steps beside a prompt step.
 DECODE_SLOWDOWNS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0)
 

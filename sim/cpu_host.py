@@ -19,17 +19,20 @@ decodes runs, a prompt step gets at most 1 / `corun_slowdown` of a core (1: no l
 less when its fair share is less: a full machine's scheduler is fair over a step's length, and
 the preempting threads' CPU is already a job here (the streaming's), so the ceiling is not
 applied on top of the share. A prompt step that starts beside decoding steps also waits
-`corun_wait_s` first (off the cores) per answer they decode: the growth is part fixed, and it
-grows with the answers streaming (each token wakes its own chunk's way out). A fixed wait,
-fitted beside one answer, put one prefill + one decode worker's hits beside three answers
-17-26 ms low (84-85 ms measured, the median miss per request, re-simulated from stop 42's
-recorded run); per answer, -3 to 8 ms. A step that decodes answers of its own (a colocated
+first (off the cores): `corun_wait_s`, and `corun_wait_per_answer_s` more for each answer they
+decode beyond the first. The growth is part fixed, and it grows with the answers streaming
+(each token wakes its own chunk's way out): measured per request in stop 44's recorded run,
+one prefill + one decode worker's hits grew about 23 ms beside one answer and 7-8 ms more per
+answer after it. One wait, fitted beside one answer, either fixed put the hits beside three
+answers 17-26 ms low (re-simulated from stop 42's recorded run) or per answer 21-28 ms high
+(stop 44's). A step that decodes answers of its own (a colocated
 worker's mixed step) is spared both: it runs in the streaming's rhythm, and with them two
 colocated workers' hits beside three answers were simulated up to 12 ms high, without them
 within 2 ms. Measured on one 1P+1D serve,
 hits of 4 and of 96 new tokens over a cached 512-token prefix grew by 39 and 74 ms beside one
 stream: a ceiling alone fitted to the short hit (about 2) gave the long one 134 ms, and no
-ceiling matches both; a 10 ms wait and a 1.35 ceiling give 39 and 75. Two prompt steps side
+ceiling matches both; a 10 ms wait and a 1.35 ceiling give 39 and 75 (the wait per answer
+is fitted after them, on hits beside three answers). Two prompt steps side
 by side (cold prompts on two workers) wake no such threads and are not slowed. An earlier form
 applied the ceiling only while streaming work was pending; it could not reach the growth
 measured beside 2 streams (its fit stopped at its bound in 4 of 5 calibrations) and gave a hit
@@ -69,17 +72,19 @@ class _Job:
 
 class CpuHost:
     def __init__(self, cores: float, corun_slowdown: float = 1.0, corun_wait_s: float = 0.0,
-                 decode_corun_slowdown: float = 1.0):
+                 decode_corun_slowdown: float = 1.0, corun_wait_per_answer_s: float = 0.0):
         if cores <= 0:
             raise ValueError(f"a host needs cores > 0, not {cores}")
         if corun_slowdown < 1:
             raise ValueError(f"corun_slowdown is a slowdown (>= 1), not {corun_slowdown}")
         if corun_wait_s < 0:
             raise ValueError(f"corun_wait_s is a wait (>= 0), not {corun_wait_s}")
+        if corun_wait_per_answer_s < 0:
+            raise ValueError(f"corun_wait_per_answer_s is a wait (>= 0), not {corun_wait_per_answer_s}")
         if decode_corun_slowdown < 1:
             raise ValueError(f"decode_corun_slowdown is a slowdown (>= 1), not {decode_corun_slowdown}")
         self.cores, self.corun_slowdown, self.corun_wait_s = cores, corun_slowdown, corun_wait_s
-        self.decode_corun_slowdown = decode_corun_slowdown
+        self.decode_corun_slowdown, self.corun_wait_per_answer_s = decode_corun_slowdown, corun_wait_per_answer_s
         self.cpu_s = 0.0  # work done, all jobs together
         self._jobs: list[_Job] = []
         self._since = 0.0  # when the jobs' left_s were last brought up to date
@@ -130,13 +135,14 @@ class CpuHost:
         worker's engine step; `prompt`: one that computes prompt tokens; `decode`: the running
         answers it samples tokens of; `receiving`: the worker takes its requests in from prefill
         workers. A prompt step with no answers, started beside other steps that decode, first
-        waits corun_wait_s per answer they decode, then runs at most at 1 / corun_slowdown of a
-        core while any does; a receiving worker's decode step at most at 1 /
-        decode_corun_slowdown while a prompt step runs)."""
+        waits corun_wait_s and corun_wait_per_answer_s more per answer they decode beyond the
+        first, then runs at most at 1 / corun_slowdown of a core while any does; a receiving
+        worker's decode step at most at 1 / decode_corun_slowdown while a prompt step runs)."""
         if cpu_s <= 0:
             return
-        if step and prompt and not decode and self.corun_wait_s and (answers := self._decoding()):
-            await asyncio.sleep(self.corun_wait_s * answers)
+        if step and prompt and not decode and (answers := self._decoding()):
+            if wait := self.corun_wait_s + self.corun_wait_per_answer_s * (answers - 1):
+                await asyncio.sleep(wait)
         loop = asyncio.get_running_loop()
         self._advance(loop.time())
         job = _Job(cpu_s, loop.create_future(), step, step and prompt, decode if step else 0, step and receiving)

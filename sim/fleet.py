@@ -100,7 +100,7 @@ class Fleet:
         self.workers: list[SimWorker] = []
         # A CPU machine's profile: one host's cores under every worker and the serving path.
         self.cpu = (CpuHost(self.device.host_cores, self.device.corun_slowdown, self.device.corun_wait_s,
-                            self.device.decode_corun_slowdown)
+                            self.device.decode_corun_slowdown, self.device.corun_wait_per_answer_s)
                     if self.device.host_cores else None)
 
     def _worker(self, worker_id: str, role: str, tp: int) -> SimWorker:

@@ -89,12 +89,14 @@ class DeviceProfile(_Frozen):
     # door, the client), on host_cores beside the workers (calibrate --url; 0 for the GPUs).
     stream_cpu_s: float = Field(0.0, ge=0)
     # On host_cores: a step computing prompt tokens (and decoding none) that starts while other
-    # workers' steps decode first waits corun_wait_s per answer they decode, then gets at most
-    # 1 / corun_slowdown of a core, less if its fair share is less (run-queue waits behind the
-    # threads each streamed token wakes; a hit's growth there is part fixed, part proportional
-    # to its step: sim/cpu_host.py). calibrate --disagg-url fits both on a 1 prefill + 1 decode
-    # serve beside one answer; 0 and 1: none.
+    # workers' steps decode first waits corun_wait_s, and corun_wait_per_answer_s more for each
+    # answer they decode beyond the first, then gets at most 1 / corun_slowdown of a core, less
+    # if its fair share is less (run-queue waits behind the threads each streamed token wakes; a
+    # hit's growth there is part fixed, part proportional to its step: sim/cpu_host.py).
+    # calibrate --disagg-url fits the first two and the ceiling on a 1 prefill + 1 decode serve
+    # beside one answer, the per-answer part beside three; 0, 0 and 1: none.
     corun_wait_s: float = Field(0.0, ge=0)
+    corun_wait_per_answer_s: float = Field(0.0, ge=0)
     corun_slowdown: float = Field(1.0, ge=1)
     # On host_cores: a disaggregated decode worker's step, while another worker's step computes
     # prompt tokens, gets at most 1 / decode_corun_slowdown of a core (the prompt's way in wakes
@@ -104,7 +106,7 @@ class DeviceProfile(_Frozen):
     # A request's serving-path time beyond its median on a CPU host (thread wake-ups, run-queue
     # waits, Ray's and gRPC's queues): quantiles at evenly spaced probabilities from 0 to 1, in
     # seconds from the median, each request drawing one (FleetConfig.seed). calibrate
-    # --disagg-url takes them from its lone prefix hits' TTFTs; () : every request the median
+    # --disagg-url takes them from its short lone prefix hits' TTFTs; () : every request the median
     # (the GPUs). Without them the simulated lone hits all took one time where the measured ones
     # spread over 35-50 ms, and a run's p50 TTFT, which falls where the lone hits give way to
     # those beside a stream, sat at the lone hits' median instead of their upper part.

@@ -114,6 +114,10 @@ def test_sim_calibrate_measures_the_serving_path_of_brigade_serve(base_url: str)
     assert seen["hit_alone_s"] > 0 and seen["hit_beside_1_s"] > 0
     assert seen["long_hit_alone_s"] > 0 and seen["long_hit_beside_1_s"] > 0
     assert 0 <= disagg.corun_wait_s <= 0.1
+    # the hits beside three answers too, and the wait per answer beyond the first fitted from them
+    assert seen["hit_beside_3_s"] > 0 and seen["long_hit_beside_3_s"] > 0
+    assert 0 <= disagg.corun_wait_per_answer_s <= 0.02
+    assert seen["jitter_long_s"] and disagg.request_jitter_s  # the short hits' spread is the profile's
     # the answer streamed through the scene: its pace before the hits and beside them, and the fit's;
     # the tiny model may finish its 400 tokens before the first hit, and then the fit says so
     if "decode_fit_skipped" in seen:

@@ -12,6 +12,7 @@ from sim.corun import (
     StreamGaps,
     fit_corun,
     fit_decode_corun,
+    fit_wait_per_answer,
     handoff_to_match,
     hit_ttfts,
     jitter_quantiles,
@@ -70,6 +71,26 @@ def test_growth_beyond_the_model_stops_at_the_bound_and_says_so() -> None:
     fitted, seen = fit_corun(HOST, SCENE, alone, beside, **GRID)
     assert seen["at_bound"] and seen["simulated_growth_short_s"] < 10.0
     assert (fitted.corun_wait_s, fitted.corun_slowdown) == (0.03, 2.0)  # the grid's largest
+
+
+def test_the_wait_per_answer_is_what_the_hits_beside_three_answers_took_beyond_the_wait_beside_one() -> None:
+    fitted_one = _with(0.01, 1.3)
+    alone = hit_ttfts(fitted_one, SCENE, width=0)
+    made = hit_ttfts(fitted_one.model_copy(update={"corun_wait_per_answer_s": 0.006}), SCENE, width=3)
+    shared = hit_ttfts(fitted_one, SCENE, width=3)  # the same wait beside any number of answers
+    assert made.short_s > shared.short_s and made.long_s > shared.long_s
+    fitted, seen = fit_wait_per_answer(fitted_one, SCENE, 3, alone, made)
+    assert fitted.corun_wait_per_answer_s == pytest.approx(0.006)
+    assert (fitted.corun_wait_s, fitted.corun_slowdown) == (0.01, 1.3)  # fit_corun's, kept
+    assert seen["simulated_growth_3_short_s"] == pytest.approx(made.short_s - alone.short_s)
+    assert seen["growth_3_at_no_extra_short_s"] == pytest.approx(shared.short_s - alone.short_s)
+    assert not seen["wide_at_bound"]
+    # what sharing the cores beside three answers explains needs none; more than the grid's largest says so
+    assert fit_wait_per_answer(fitted_one, SCENE, 3, alone, shared)[0].corun_wait_per_answer_s == 0.0
+    far = HitTtfts(made.short_s + 1.0, made.long_s + 1.0)
+    assert fit_wait_per_answer(fitted_one, SCENE, 3, alone, far)[1]["wide_at_bound"]
+    with pytest.raises(ValueError, match="2 or more"):
+        fit_wait_per_answer(fitted_one, SCENE, 1, alone, made)
 
 
 def test_the_handoff_is_what_the_lone_hits_took_beyond_the_simulation() -> None:

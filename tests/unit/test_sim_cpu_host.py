@@ -131,8 +131,8 @@ def test_corun_slowdown_slows_a_prompt_step_beside_a_step_that_decodes() -> None
         CpuHost(2, corun_slowdown=0.5)
 
 
-def test_corun_wait_delays_a_prompt_step_per_answer_decoding_beside_it() -> None:
-    host = CpuHost(2, corun_wait_s=0.25)
+def test_corun_wait_delays_a_prompt_step_once_and_per_answer_beyond_the_first() -> None:
+    host = CpuHost(2, corun_wait_s=0.25, corun_wait_per_answer_s=0.1)
 
     def job(cpu_s: float, prompt: bool, decode: int = 0):
         return _step_ends_at(host, cpu_s, prompt, decode)
@@ -147,7 +147,8 @@ def test_corun_wait_delays_a_prompt_step_per_answer_decoding_beside_it() -> None
         await asyncio.sleep(0)  # the decode step is on the host first
         prompt = await job(1.0, True)
         decode = await decode
-        # Beside steps decoding 3 answers in all (batches of 2 and 1): 0.25 s per answer.
+        # Beside steps decoding 3 answers in all (batches of 2 and 1): 0.25 s, and 0.1 s for
+        # each of the 2 answers beyond the first.
         batches = [loop.create_task(job(2.0, False, decode=n)) for n in (2, 1)]
         await asyncio.sleep(0)
         started = loop.time()
@@ -165,10 +166,31 @@ def test_corun_wait_delays_a_prompt_step_per_answer_decoding_beside_it() -> None
     assert alone == pytest.approx(1.0)
     assert two_prompts == pytest.approx([2.0, 2.0])
     assert prompt == pytest.approx(3.25) and decode == pytest.approx(4.0)
-    assert three == pytest.approx(0.75 + 1.5)  # then 3 jobs on 2 cores until the batches end
+    assert three == pytest.approx(0.45 + 1.5)  # then 3 jobs on 2 cores until the batches end
     assert mixed == pytest.approx(1.0)
     with pytest.raises(ValueError, match="wait"):
         CpuHost(2, corun_wait_s=-1.0)
+    with pytest.raises(ValueError, match="wait"):
+        CpuHost(2, corun_wait_per_answer_s=-1.0)
+
+
+def test_a_wait_per_answer_alone_delays_a_prompt_step_beside_two_answers_not_one() -> None:
+    host = CpuHost(2, corun_wait_per_answer_s=0.5)
+
+    async def beside(answers: int) -> float:
+        loop = asyncio.get_running_loop()
+        decode = loop.create_task(_step_ends_at(host, 4.0, False, answers))
+        await asyncio.sleep(0)
+        started = loop.time()
+        took = await _step_ends_at(host, 1.0, True, 0) - started
+        await decode
+        return took
+
+    async def main():
+        return await beside(1), await beside(2)
+
+    one, two = run_virtual(main())
+    assert one == pytest.approx(1.0) and two == pytest.approx(1.5)
 
 
 def test_a_decode_workers_step_beside_another_workers_prompt_step_gets_at_most_its_ceiling() -> None:

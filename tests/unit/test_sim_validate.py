@@ -115,7 +115,7 @@ def test_a_try_s_profile_scales_the_serving_terms_by_the_engine_s_move() -> None
     serving = load_device("cpu-2core").model_copy(update={
         "seq_overhead_s": 0.002, "attn_eff": 0.5, "request_overhead_s": 0.008, "stream_cpu_s": 0.004,
         "handoff_overhead_s": 0.003, "decode_token_overhead_s": 0.002, "corun_wait_s": 0.01,
-        "corun_slowdown": 1.5, "request_jitter_s": (-0.002, 0.0, 0.005)}).model_dump()
+        "corun_wait_per_answer_s": 0.004, "corun_slowdown": 1.5, "request_jitter_s": (-0.002, 0.0, 0.005)}).model_dump()
     slower = {**serving, "peak_flops": serving["peak_flops"] / 1.3, "mem_bw": serving["mem_bw"] / 1.3,
               "step_overhead_s": serving["step_overhead_s"] * 1.3, "seq_overhead_s": serving["seq_overhead_s"] * 1.3}
     out = engine_fit_around("bench", slower, slower, serving)
