@@ -40,7 +40,9 @@ class WorkerNameTaken(RuntimeError):
     """Another Brigade cluster in this Ray already runs a worker of that id (actor names are Ray-wide)."""
 
 
-def start_ray(cfg: ClusterConfig) -> None:
+def start_ray(cfg: ClusterConfig, attempts: int = 2) -> None:
+    """Ray for this process: attached to cfg.ray_address, else a new local node, started up to
+    `attempts` times (a loaded machine's bootstrap now and then misses Ray's own wait)."""
     if ray.is_initialized():
         return
     env = {"RAY_USAGE_STATS_ENABLED": "0"}
@@ -59,13 +61,13 @@ def start_ray(cfg: ClusterConfig) -> None:
                    namespace=NAMESPACE,
                    object_store_memory=OBJECT_STORE_BYTES, _node_ip_address=cfg.host,
                    resources=local_resources(cfg) or None, runtime_env={"env_vars": env})
-    for attempt in (1, 2):
+    for attempt in range(1, attempts + 1):
         ours = {p.pid for p in psutil.Process().children(recursive=True)}  # redis-server, if embedded
         try:
             ray.init(**options)
             return
         except Exception as exc:  # noqa: BLE001 - Ray raises plain Exception for a node that timed out
-            if attempt == 2:
+            if attempt == attempts:
                 raise
             # On a loaded machine Ray's own bootstrap now and then misses a fixed 30 s wait (the
             # GCS writes no port file, or the raylet registers late): stop what it started, once more.
