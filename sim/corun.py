@@ -66,6 +66,14 @@ class HitTtfts(NamedTuple):
     short_s: float
     long_s: float
 
+    def over(self, base: HitTtfts) -> HitTtfts:
+        """Each length's growth over `base`."""
+        return HitTtfts(self.short_s - base.short_s, self.long_s - base.long_s)
+
+    def miss(self, want: HitTtfts) -> float:
+        """The squared distance to `want`: the fits' least squares over the short and the long hits."""
+        return (self.short_s - want.short_s) ** 2 + (self.long_s - want.long_s) ** 2
+
 
 class StreamGaps(NamedTuple):
     """An answer's mean time between tokens before the scene's first hit and while they run."""
@@ -160,7 +168,7 @@ def handoff_to_match(profile: DeviceProfile, scene: HitScene, alone: HitTtfts) -
     and 18.4 (re-simulated with the cold prompt's, the first of those runs' disaggregated p50
     TTFTs were 24-43% low; with this one, 2-25%)."""
     sim = hit_ttfts(profile, scene, width=0)
-    miss = ((alone.short_s - sim.short_s) + (alone.long_s - sim.long_s)) / 2
+    miss = sum(alone.over(sim)) / 2
     return max(0.0, profile.handoff_overhead_s + miss), sim
 
 
@@ -197,18 +205,14 @@ def fit_corun(profile: DeviceProfile, scene: HitScene, alone: HitTtfts, beside: 
     scene was not the one modelled (a machine whose speed changed between the rounds, or one
     too loaded to serve it), so the fit should not be trusted."""
     sim_alone = hit_ttfts(profile, scene, width=0)
-    want = HitTtfts(beside.short_s - alone.short_s, beside.long_s - alone.long_s)
+    want = beside.over(alone)
 
     def growth(slowdown: float, wait_s: float) -> HitTtfts:
         b = hit_ttfts(profile.model_copy(update={"corun_slowdown": slowdown, "corun_wait_s": wait_s}), scene)
-        return HitTtfts(b.short_s - sim_alone.short_s, b.long_s - sim_alone.long_s)
+        return b.over(sim_alone)
 
     grid = {(s, w): growth(s, w) for s in slowdowns for w in waits_s}
-
-    def miss(g: HitTtfts) -> float:
-        return (g.short_s - want.short_s) ** 2 + (g.long_s - want.long_s) ** 2
-
-    (slowdown, wait_s), fitted = min(grid.items(), key=lambda kv: miss(kv[1]))
+    (slowdown, wait_s), fitted = min(grid.items(), key=lambda kv: kv[1].miss(want))
     most = grid[(max(slowdowns), max(waits_s))]
     at_bound = want.short_s > most.short_s or want.long_s > most.long_s
     none = grid.get((1.0, 0.0)) or growth(1.0, 0.0)
@@ -237,12 +241,10 @@ def fit_wait_per_answer(profile: DeviceProfile, scene: HitScene, width: int, alo
     if width < 2:
         raise ValueError(f"a wait per answer beyond the first needs a scene of 2 or more, not {width}")
     sim_alone = hit_ttfts(profile, scene, width=0)
-    want = HitTtfts(beside.short_s - alone.short_s, beside.long_s - alone.long_s)
-    grid = {}
-    for w in waits_s:
-        b = hit_ttfts(profile.model_copy(update={"corun_wait_per_answer_s": w}), scene, width)
-        grid[w] = HitTtfts(b.short_s - sim_alone.short_s, b.long_s - sim_alone.long_s)
-    best = min(grid, key=lambda w: (grid[w].short_s - want.short_s) ** 2 + (grid[w].long_s - want.long_s) ** 2)
+    want = beside.over(alone)
+    grid = {w: hit_ttfts(profile.model_copy(update={"corun_wait_per_answer_s": w}), scene, width).over(sim_alone)
+            for w in waits_s}
+    best = min(grid, key=lambda w: grid[w].miss(want))
     most = grid[max(waits_s)]
     return profile.model_copy(update={"corun_wait_per_answer_s": best}), {
         f"measured_growth_{width}_short_s": want.short_s, f"measured_growth_{width}_long_s": want.long_s,
