@@ -28,7 +28,12 @@ answers 17-26 ms low (re-simulated from stop 42's recorded run) or per answer 21
 (stop 44's). A step that decodes answers of its own (a colocated
 worker's mixed step) is spared both: it runs in the streaming's rhythm, and with them two
 colocated workers' hits beside three answers were simulated up to 12 ms high, without them
-within 2 ms. Measured on one 1P+1D serve,
+within 2 ms. A colocated fleet takes none of the co-run terms (sim/fleet.py builds its host
+without them): its hits take no way through a decode worker busy with its steps, and measured
+per request in stop 45's two runs they grew 9-23 ms beside one answer where 1P+1D's grew 30-38
+on the same engine; with the terms fitted on 1P+1D, four recorded runs' colocated p50 TTFTs
+were simulated up to 0.33 high, with a fair share alone at most 0.24 (and lower in all four).
+Measured on one 1P+1D serve,
 hits of 4 and of 96 new tokens over a cached 512-token prefix grew by 39 and 74 ms beside one
 stream: a ceiling alone fitted to the short hit (about 2) gave the long one 134 ms, and no
 ceiling matches both; a 10 ms wait and a 1.35 ceiling give 39 and 75 (the wait per answer

@@ -98,10 +98,12 @@ class Fleet:
         self.router.picker._rng.seed(cfg.seed)
         self._jitter = random.Random(cfg.seed)
         self.workers: list[SimWorker] = []
-        # A CPU machine's profile: one host's cores under every worker and the serving path.
-        self.cpu = (CpuHost(self.device.host_cores, self.device.corun_slowdown, self.device.corun_wait_s,
-                            self.device.decode_corun_slowdown, self.device.corun_wait_per_answer_s)
-                    if self.device.host_cores else None)
+        # A CPU machine's profile: one host's cores under every worker and the serving path. The
+        # co-run terms are a disaggregated fleet's (sim/cpu_host.py): colocated workers share the
+        # cores fairly and no more.
+        corun = (self.device.corun_slowdown, self.device.corun_wait_s, self.device.decode_corun_slowdown,
+                 self.device.corun_wait_per_answer_s) if cfg.mode == "disaggregated" else ()
+        self.cpu = CpuHost(self.device.host_cores, *corun) if self.device.host_cores else None
 
     def _worker(self, worker_id: str, role: str, tp: int) -> SimWorker:
         device = self.device
