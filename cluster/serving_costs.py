@@ -22,6 +22,7 @@ from sim.corun import (
     HitTtfts,
     StreamGaps,
     fit_corun,
+    fit_corun_span,
     fit_decode_corun,
     fit_wait_per_answer,
     handoff_to_match,
@@ -232,10 +233,10 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
         finally:
             await t.aclose()
 
-    async def hits_beside(width: int, scene: HitScene) -> tuple[list[float], list[float], StreamGaps | None]:
-        """TTFTs of the scene's prefix hits (short, long), sent one at a time while `width`
-        answers stream, and the first answer's pace before and beside them (None without one, or
-        where it ended before the hits)."""
+    async def hits_beside(width: int, scene: HitScene) -> tuple[tuple[list[float], ...], StreamGaps | None]:
+        """TTFTs of the scene's hits by kind (short, long, cold), sent on its beat while
+        `width` answers stream, and the first answer's pace before and beside them (None without
+        one, or where it ended before the hits)."""
         t = target()
         salt = next(ids)  # this scene's own prompts: none cached by an earlier one
         hit = [first_token + salt % 97] + scene.hit_prompt()[1:]
@@ -247,14 +248,21 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
             streams = [asyncio.create_task(one(t, scene.short_len, scene.stream_len, times=answer if not i else None))
                        for i in range(width)]
             await asyncio.sleep(scene.settle_s)  # past their prefills: decoding
-            ttfts: tuple[list[float], list[float]] = ([], [])
             first_hit = time.perf_counter()
-            for k in range(scene.hits):
-                sent = time.perf_counter()
-                ids_k = scene.long_prompt(hit, k, salt) if k % 2 else hit
-                ttfts[k % 2].append((await one(t, 0, 2, token_ids=ids_k))[0])
-                answered = time.perf_counter()
-                await asyncio.sleep(max(0.0, scene.spacing_s - (answered - sent)))
+
+            async def hit_k(k: int) -> tuple[float, float]:
+                """Hit k's TTFT and when it was answered: sent on the scene's beat whether or not
+                the last was answered, as the simulator sends them (a cold prompt slower than the
+                beat, as on a slower machine, then delays the next in both)."""
+                await asyncio.sleep(max(0.0, first_hit + k * scene.spacing_s - time.perf_counter()))
+                ttft = (await one(t, 0, 2, token_ids=scene.prompt(hit, k, salt, first=first_token)))[0]
+                return ttft, time.perf_counter()
+
+            got = await asyncio.gather(*(hit_k(k) for k in range(scene.hits)))
+            ttfts: tuple[list[float], ...] = ([], [], [])
+            for k, (ttft, _) in enumerate(got):
+                ttfts[scene.kind(k)].append(ttft)
+            answered = max(end for _, end in got)
             for task in streams:  # closes their connections: the router aborts them
                 task.cancel()
             await asyncio.gather(*streams, return_exceptions=True)
@@ -262,7 +270,7 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
                 pace = StreamGaps.of(answer, began, first_hit, answered, scene) if width else None
             except ValueError:  # the answer ended before the hits (a fast model): nothing to time
                 pace = None
-            return (*ttfts, pace)
+            return ttfts, pace
         finally:
             await t.aclose()
 
@@ -360,22 +368,26 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
             scene = HitScene(shape.name, corun_width, hit_len=long_len, short_len=short_len, block_size=block_size,
                              phases=corun_phases)
             widths = (0, corun_width, corun_wide_width) if corun_wide_width > corun_width else (0, corun_width)
-            ttfts = {width: ([], []) for width in widths}
+            ttfts = {width: ([], [], []) for width in widths}
             paces: list[StreamGaps] = []
             for _ in range(rounds):  # interleaved: the machine's speed drifts
-                for width, (short, long) in ttfts.items():
-                    got = asyncio.run(hits_beside(width, scene))
-                    short += got[0]
-                    long += got[1]
-                    if got[2] is not None and width == corun_width:
-                        paces.append(got[2])
-            alone, beside, *wide = (HitTtfts(*map(statistics.median, v)) for v in ttfts.values())
+                for width, kinds in ttfts.items():
+                    got, pace = asyncio.run(hits_beside(width, scene))
+                    for seen_s, more in zip(kinds, got):
+                        seen_s += more
+                    if pace is not None and width == corun_width:
+                        paces.append(pace)
+            alone, beside, *wide = (HitTtfts.of(v) for v in ttfts.values())
             handoff, sim_alone = handoff_to_match(profile, scene, alone)
             seen |= {"handoff_from_cold_s": profile.handoff_overhead_s,
                      "simulated_alone_at_that_short_s": sim_alone.short_s,
                      "simulated_alone_at_that_long_s": sim_alone.long_s}
             profile, fit_seen = fit_corun(profile.model_copy(update={"handoff_overhead_s": handoff}), scene, alone,
                                           beside)
+            if scene.cold:
+                profile, span_seen = fit_corun_span(profile, scene, alone, beside)
+                fit_seen |= span_seen | {"cold_hit_alone_s": alone.cold_s,
+                                         f"cold_hit_beside_{corun_width}_s": beside.cold_s}
             if wide:
                 profile, wide_seen = fit_wait_per_answer(profile, scene, corun_wide_width, alone, wide[0])
                 fit_seen |= wide_seen | {f"hit_beside_{corun_wide_width}_s": wide[0].short_s,

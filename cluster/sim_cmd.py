@@ -226,6 +226,10 @@ def run(args: argparse.Namespace, _cfg) -> int:
     return 0
 
 
+def _span(span_s: float | None) -> str:
+    return "" if span_s is None else f" for its first {span_s * 1000:.0f} ms"
+
+
 def _spread_ms(quantiles: tuple[float, ...]) -> str:
     """request_jitter_s's range about the median, in ms."""
     if not quantiles:
@@ -297,7 +301,7 @@ def _calibrate(args: argparse.Namespace) -> int:
               f"{profile.decode_admit_overhead_s * 1000:.1f} ms before it takes a request in; a prompt "
               f"step that starts beside another worker's decoding step waits {profile.corun_wait_s * 1000:.1f} ms "
               f"and {profile.corun_wait_per_answer_s * 1000:.1f} ms more per answer it decodes beyond the first, "
-              f"then gets at most 1/{profile.corun_slowdown:.2f} of a core, and a decode "
+              f"then gets at most 1/{profile.corun_slowdown:.2f} of a core{_span(profile.corun_span_s)}, and a decode "
               f"step beside another worker's prompt step at most 1/{profile.decode_corun_slowdown:.2f}; a request's "
               f"serving path spreads {_spread_ms(profile.request_jitter_s)} ms about its median ({seen})")
         if seen.get("at_bound"):

@@ -27,19 +27,21 @@ class HitScene:
     """The scene as measured: `hits` requests `spacing_s` apart (2 tokens each, so each
     reserves on the decode worker as a real answer does), beside `width` answers of
     `stream_len` tokens to distinct `short_len`-token prompts that began `settle_s` before the
-    first hit. Even hits are one `hit_len`-token prompt (cached before: its full blocks are
-    hits, the rest is computed); odd ones are those cached blocks and `long_new` tokens of
-    their own (a longer step over the same prefix). The answer's tokens from `quiet_from_s`
-    after it was sent to the first hit are its pace alone (past its admission), those from the
-    first hit to the last one's answer its pace beside them."""
+    first hit. The hits take turns by kind: a short one is one `hit_len`-token prompt (cached
+    before: its full blocks are hits, the rest is computed); a long one those cached blocks and
+    `long_new` tokens of its own (a longer step over the same prefix); where `cold`, a cold one
+    `hit_len` tokens no other prompt has (a whole prompt's step, where corun_span_s shows). The
+    answer's tokens from `quiet_from_s` after it was sent to the first hit are its pace alone
+    (past its admission), those from the first hit to the last one's answer its pace beside them."""
 
     model: str
     width: int
-    hits: int = 12
+    hits: int = 15
     hit_len: int = 516
     long_new: int = 96
     short_len: int = 4
-    stream_len: int = 400
+    stream_len: int = 1000
+    cold: bool = True
     spacing_s: float = 0.4
     settle_s: float = 1.5
     quiet_from_s: float = 0.3
@@ -59,20 +61,48 @@ class HitScene:
         cached = (self.hit_len - 1) // self.block_size * self.block_size
         return hit[:cached] + [100 + (3001 + 17 * k + 31 * salt + j) % 3900 for j in range(self.long_new)]
 
+    def cold_prompt(self, k: int, salt: int = 0) -> list[int]:
+        """The `k`-th cold hit: `hit_len` tokens of its own (its first block differs from every
+        other prompt's, so none of its blocks is cached)."""
+        return [100 + (7001 + 41 * k + 43 * salt + 11 * j) % 3900 for j in range(self.hit_len)]
+
+    def kind(self, k: int) -> int:
+        """Hit k's kind: 0 short, 1 long, 2 cold."""
+        return k % (3 if self.cold else 2)
+
+    def prompt(self, hit: list[int], k: int, salt: int = 0, first: int | None = None) -> list[int]:
+        """Hit k's prompt (`first`: a cold prompt's first token, where given)."""
+        kind = self.kind(k)
+        if kind < 2:
+            return self.long_prompt(hit, k, salt) if kind else hit
+        cold = self.cold_prompt(k, salt)
+        return cold if first is None else [first] + cold[1:]
+
 
 class HitTtfts(NamedTuple):
-    """The median TTFT of a scene's hits of each length."""
+    """The median TTFT of a scene's hits of each kind (cold: None in a scene without)."""
 
     short_s: float
     long_s: float
+    cold_s: float | None = None
+
+    @classmethod
+    def of(cls, samples: tuple[list[float], ...]) -> HitTtfts:
+        """The medians of each kind's TTFTs (an empty list: none of that kind)."""
+        return cls(*(statistics.median(v) if v else None for v in samples))
 
     def over(self, base: HitTtfts) -> HitTtfts:
-        """Each length's growth over `base`."""
-        return HitTtfts(self.short_s - base.short_s, self.long_s - base.long_s)
+        """Each kind's growth over `base`."""
+        cold = None if self.cold_s is None or base.cold_s is None else self.cold_s - base.cold_s
+        return HitTtfts(self.short_s - base.short_s, self.long_s - base.long_s, cold)
 
-    def miss(self, want: HitTtfts) -> float:
-        """The squared distance to `want`: the fits' least squares over the short and the long hits."""
-        return (self.short_s - want.short_s) ** 2 + (self.long_s - want.long_s) ** 2
+    def miss(self, want: HitTtfts, cold: bool = False) -> float:
+        """The squared distance to `want`: the fits' least squares over the short and the long
+        hits (and the cold ones, where `cold`)."""
+        out = (self.short_s - want.short_s) ** 2 + (self.long_s - want.long_s) ** 2
+        if cold and self.cold_s is not None and want.cold_s is not None:
+            out += (self.cold_s - want.cold_s) ** 2
+        return out
 
 
 class StreamGaps(NamedTuple):
@@ -124,10 +154,9 @@ def _simulate(profile: DeviceProfile, scene: HitScene, width: int) -> tuple[HitT
     around = [SimSession("warm", 0.0, ((hit, 2),))]
     around += [SimSession(f"stream{i}", 0.5, (([7919 * (i + 1) + j for j in range(scene.short_len)],
                                                 scene.stream_len),)) for i in range(width)]
-    prompts = [scene.long_prompt(hit, k) if k % 2 else hit for k in range(scene.hits)]
+    prompts = [scene.prompt(hit, k) for k in range(scene.hits)]
     first = 0.5 + scene.settle_s
-    short: list[float] = []
-    long: list[float] = []
+    kinds: tuple[list[float], ...] = ([], [], [])
     gaps: list[StreamGaps] = []
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "profile.json"
@@ -139,8 +168,8 @@ def _simulate(profile: DeviceProfile, scene: HitScene, width: int) -> tuple[HitT
             sessions = around + [SimSession(f"hit{k}", first + k * scene.spacing_s + _phase(phase, k, scene),
                                             ((prompt, 2),)) for k, prompt in enumerate(prompts)]
             records = {r.session_id: r for r in simulate(cfg, sessions)["records"]}
-            short += [records[f"hit{k}"].ttft_s for k in range(0, scene.hits, 2)]
-            long += [records[f"hit{k}"].ttft_s for k in range(1, scene.hits, 2)]
+            for k in range(scene.hits):
+                kinds[scene.kind(k)].append(records[f"hit{k}"].ttft_s)
             if width:
                 answer, last = records["stream0"], records[f"hit{scene.hits - 1}"]
                 try:
@@ -148,7 +177,7 @@ def _simulate(profile: DeviceProfile, scene: HitScene, width: int) -> tuple[HitT
                                               records["hit0"].start_s, last.start_s + last.e2e_s, scene))
                 except ValueError:  # the answer ended before the hits
                     pass
-    return HitTtfts(statistics.median(short), statistics.median(long)), StreamGaps.mean(gaps) if gaps else None
+    return HitTtfts.of(kinds), StreamGaps.mean(gaps) if gaps else None
 
 
 def _phase(phase: int, k: int, scene: HitScene) -> float:
@@ -168,7 +197,8 @@ def handoff_to_match(profile: DeviceProfile, scene: HitScene, alone: HitTtfts) -
     and 18.4 (re-simulated with the cold prompt's, the first of those runs' disaggregated p50
     TTFTs were 24-43% low; with this one, 2-25%)."""
     sim = hit_ttfts(profile, scene, width=0)
-    miss = sum(alone.over(sim)) / 2
+    grown = alone.over(sim)
+    miss = (grown.short_s + grown.long_s) / 2  # the cold hits' step holds the engine fit's noise
     return max(0.0, profile.handoff_overhead_s + miss), sim
 
 
@@ -208,20 +238,49 @@ def fit_corun(profile: DeviceProfile, scene: HitScene, alone: HitTtfts, beside: 
     want = beside.over(alone)
 
     def growth(slowdown: float, wait_s: float) -> HitTtfts:
-        b = hit_ttfts(profile.model_copy(update={"corun_slowdown": slowdown, "corun_wait_s": wait_s}), scene)
-        return b.over(sim_alone)
+        terms = {"corun_slowdown": slowdown, "corun_wait_s": wait_s, "corun_span_s": None}
+        return hit_ttfts(profile.model_copy(update=terms), scene).over(sim_alone)
 
     grid = {(s, w): growth(s, w) for s in slowdowns for w in waits_s}
     (slowdown, wait_s), fitted = min(grid.items(), key=lambda kv: kv[1].miss(want))
     most = grid[(max(slowdowns), max(waits_s))]
     at_bound = want.short_s > most.short_s or want.long_s > most.long_s
     none = grid.get((1.0, 0.0)) or growth(1.0, 0.0)
-    return profile.model_copy(update={"corun_slowdown": slowdown, "corun_wait_s": wait_s}), {
+    return profile.model_copy(update={"corun_slowdown": slowdown, "corun_wait_s": wait_s, "corun_span_s": None}), {
         "measured_growth_short_s": want.short_s, "measured_growth_long_s": want.long_s,
         "simulated_growth_short_s": fitted.short_s, "simulated_growth_long_s": fitted.long_s,
         "simulated_alone_short_s": sim_alone.short_s, "simulated_alone_long_s": sim_alone.long_s,
         "growth_at_none_short_s": none.short_s, "growth_at_none_long_s": none.long_s,
         "at_bound": at_bound}
+
+
+# The spans fit_corun_span tries (None: the whole step).
+SPANS_S = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, None)
+
+
+def fit_corun_span(profile: DeviceProfile, scene: HitScene, alone: HitTtfts, beside: HitTtfts,
+                   spans_s: tuple[float | None, ...] = SPANS_S) -> tuple[DeviceProfile, dict]:
+    """The corun_span_s, of `spans_s`, whose scene simulated beside its answers grows the hits
+    nearest to what was measured, least squares over all three kinds (a span short enough to
+    spare the cold prompts' step spares the long hits' too, where they must not be); run after
+    fit_corun, on its wait and ceiling, which the short and long hits alone pin. A hit's growth
+    is part fixed, part its step's, but not all of a long step's: in stop 45's two runs a 1P+1D
+    cold 512-token prompt beside one answer grew 60-85 ms over its lone TTFT of 250-280, where
+    the ceilings fitted on hits of 4 and 96 new tokens (1.4 and 1.3) gave it 95-115 (and the
+    1P+1D p90 TTFT at 4 req/s, made of such prompts, 0.20 high in one of them). The profile
+    with it set, and what was seen."""
+    if alone.cold_s is None or beside.cold_s is None:
+        raise ValueError("the span is fitted on a scene's cold hits: this scene has none")
+    sim_alone = hit_ttfts(profile, scene, width=0)
+    want = beside.over(alone)
+    grid = {s: hit_ttfts(profile.model_copy(update={"corun_span_s": s}), scene).over(sim_alone) for s in spans_s}
+    # The whole step first: a span that changes nothing (one past every step's end) is no span.
+    best = min(sorted(grid, key=lambda s: s is not None), key=lambda s: grid[s].miss(want, cold=True))
+    whole = grid[None] if None in grid else hit_ttfts(profile.model_copy(update={"corun_span_s": None}),
+                                                          scene).over(sim_alone)
+    return profile.model_copy(update={"corun_span_s": best}), {
+        "measured_growth_cold_s": want.cold_s, "simulated_growth_cold_s": grid[best].cold_s,
+        "growth_cold_over_the_whole_step_s": whole.cold_s, "simulated_alone_cold_s": sim_alone.cold_s}
 
 
 # The waits fit_wait_per_answer tries for each answer beyond the first.

@@ -25,14 +25,14 @@ decode beyond the first. The growth is part fixed, and it grows with the answers
 one prefill + one decode worker's hits grew about 23 ms beside one answer and 7-8 ms more per
 answer after it. One wait, fitted beside one answer, either fixed put the hits beside three
 answers 17-26 ms low (re-simulated from stop 42's recorded run) or per answer 21-28 ms high
-(stop 44's). A step that decodes answers of its own (a colocated
-worker's mixed step) is spared both: it runs in the streaming's rhythm, and with them two
-colocated workers' hits beside three answers were simulated up to 12 ms high, without them
-within 2 ms. A colocated fleet takes none of the co-run terms (sim/fleet.py builds its host
-without them): its hits take no way through a decode worker busy with its steps, and measured
-per request in stop 45's two runs they grew 9-23 ms beside one answer where 1P+1D's grew 30-38
-on the same engine; with the terms fitted on 1P+1D, four recorded runs' colocated p50 TTFTs
-were simulated up to 0.33 high, with a fair share alone at most 0.24 (and lower in all four).
+(stop 44's). A step that decodes answers of its own (a colocated worker's mixed step) is spared
+both: it runs in the streaming's rhythm, and with them two colocated workers' hits beside three
+answers were simulated up to 12 ms high, without them within 2 ms. A colocated fleet takes none
+of the co-run terms (sim/fleet.py builds its host without them): its hits take no way through a
+decode worker busy with its steps, and measured per request in stop 45's two runs they grew 9-23
+ms beside one answer where 1P+1D's grew 30-38 at 1 and 2 req/s, on the same engine; with the
+terms fitted on 1P+1D, four recorded runs' colocated p50 TTFTs were simulated up to 0.33 high,
+with a fair share alone at most 0.24 (and lower in all four).
 Measured on one 1P+1D serve,
 hits of 4 and of 96 new tokens over a cached 512-token prefix grew by 39 and 74 ms beside one
 stream: a ceiling alone fitted to the short hit (about 2) gave the long one 134 ms, and no
@@ -73,11 +73,13 @@ class _Job:
     prompt: bool = False  # a step that computes prompt tokens (with decode 0, corun_slowdown applies to it)
     decode: int = 0  # the running answers whose tokens the step samples (which stream out)
     receiving: bool = False  # a disaggregated decode worker's step (its requests come in from prefill workers)
+    started: float = 0.0  # when it joined the cores (corun_span_s counts from there)
 
 
 class CpuHost:
     def __init__(self, cores: float, corun_slowdown: float = 1.0, corun_wait_s: float = 0.0,
-                 decode_corun_slowdown: float = 1.0, corun_wait_per_answer_s: float = 0.0):
+                 decode_corun_slowdown: float = 1.0, corun_wait_per_answer_s: float = 0.0,
+                 corun_span_s: float | None = None):
         if cores <= 0:
             raise ValueError(f"a host needs cores > 0, not {cores}")
         if corun_slowdown < 1:
@@ -88,8 +90,11 @@ class CpuHost:
             raise ValueError(f"corun_wait_per_answer_s is a wait (>= 0), not {corun_wait_per_answer_s}")
         if decode_corun_slowdown < 1:
             raise ValueError(f"decode_corun_slowdown is a slowdown (>= 1), not {decode_corun_slowdown}")
+        if corun_span_s is not None and corun_span_s <= 0:
+            raise ValueError(f"corun_span_s is a time (> 0) or None (the whole step), not {corun_span_s}")
         self.cores, self.corun_slowdown, self.corun_wait_s = cores, corun_slowdown, corun_wait_s
         self.decode_corun_slowdown, self.corun_wait_per_answer_s = decode_corun_slowdown, corun_wait_per_answer_s
+        self.corun_span_s = corun_span_s
         self.cpu_s = 0.0  # work done, all jobs together
         self._jobs: list[_Job] = []
         self._since = 0.0  # when the jobs' left_s were last brought up to date
@@ -105,16 +110,29 @@ class CpuHost:
         return min(1.0, self.cores / len(self._jobs)) if self._jobs else 1.0
 
     def _rate(self, job: _Job) -> float:
-        """`job`'s own rate: the fair share, at most 1 / corun_slowdown for a prompt step of no
-        answers of its own beside another step that decodes, and 1 / decode_corun_slowdown for a
-        receiving worker's decode step beside a prompt step."""
+        """`job`'s own rate from now on: the fair share, at most 1 / corun_slowdown for a prompt
+        step of no answers of its own beside another step that decodes (within corun_span_s of
+        its start), and 1 / decode_corun_slowdown for a receiving worker's decode step beside a
+        prompt step."""
         share = self.rate()
-        if job.prompt and not job.decode and self._decoding():
+        if self._capped(job):
             return min(share, 1.0 / self.corun_slowdown)
         if (job.receiving and job.decode and self.decode_corun_slowdown > 1
                 and any(j.prompt and j is not job for j in self._jobs)):
             return min(share, 1.0 / self.decode_corun_slowdown)
         return share
+
+    def _capped(self, job: _Job) -> bool:
+        """The prompt step's ceiling holds now."""
+        return (job.prompt and not job.decode and self.corun_slowdown > 1 and bool(self._decoding())
+                and self._span_left(job) > 0)
+
+    def _span_left(self, job: _Job) -> float:
+        """How long the ceiling may still hold on `job` (inf: the whole step)."""
+        if self.corun_span_s is None:
+            return float("inf")
+        left = job.started + self.corun_span_s - self._since
+        return left if left > 1e-9 else 0.0  # a rounding's worth past the end is past it
 
     def _decoding(self) -> int:
         """The answers the running steps sample tokens of."""
@@ -150,7 +168,8 @@ class CpuHost:
                 await asyncio.sleep(wait)
         loop = asyncio.get_running_loop()
         self._advance(loop.time())
-        job = _Job(cpu_s, loop.create_future(), step, step and prompt, decode if step else 0, step and receiving)
+        job = _Job(cpu_s, loop.create_future(), step, step and prompt, decode if step else 0, step and receiving,
+                   loop.time())
         self._jobs.append(job)
         self._plan(loop)
         try:
@@ -162,13 +181,13 @@ class CpuHost:
                 self._plan(loop)
 
     def _advance(self, now: float) -> None:
-        dt, self._since = now - self._since, now
-        if dt <= 0 or not self._jobs:
-            return
-        for job in self._jobs:
-            step = dt * self._rate(job)
-            self.cpu_s += step
-            job.left_s -= step
+        dt = now - self._since
+        if dt > 0 and self._jobs:
+            # The rates as they were over the interval (the plan ends it where any would change).
+            for job, rate in [(job, self._rate(job)) for job in self._jobs]:
+                self.cpu_s += dt * rate
+                job.left_s -= dt * rate
+        self._since = now
 
     def _plan(self, loop: asyncio.AbstractEventLoop) -> None:
         """Finish the jobs whose work is done; set the timer for the next one to finish."""
@@ -183,6 +202,8 @@ class CpuHost:
                     j.done.set_result(None)
         if self._jobs:
             first = min(j.left_s / self._rate(j) for j in self._jobs)
+            # A ceiling that ends before then changes the rates: plan again at its end.
+            first = min([first] + [self._span_left(j) for j in self._jobs if self._capped(j)])
             self._timer = loop.call_at(self._since + first, self._tick, loop)
 
     def _tick(self, loop: asyncio.AbstractEventLoop) -> None:

@@ -102,7 +102,7 @@ class Fleet:
         # co-run terms are a disaggregated fleet's (sim/cpu_host.py): colocated workers share the
         # cores fairly and no more.
         corun = (self.device.corun_slowdown, self.device.corun_wait_s, self.device.decode_corun_slowdown,
-                 self.device.corun_wait_per_answer_s) if cfg.mode == "disaggregated" else ()
+                 self.device.corun_wait_per_answer_s, self.device.corun_span_s) if cfg.mode == "disaggregated" else ()
         self.cpu = CpuHost(self.device.host_cores, *corun) if self.device.host_cores else None
 
     def _worker(self, worker_id: str, role: str, tp: int) -> SimWorker:

@@ -99,6 +99,10 @@ class DeviceProfile(_Frozen):
     corun_wait_s: float = Field(0.0, ge=0)
     corun_wait_per_answer_s: float = Field(0.0, ge=0)
     corun_slowdown: float = Field(1.0, ge=1)
+    # The ceiling holds for the first corun_span_s of a prompt step only (None: the whole step):
+    # a cold 512-token prompt beside an answer grew far less than a ceiling fitted on short hits
+    # gives a step that long. calibrate --disagg-url fits it on the scene's cold prompts.
+    corun_span_s: float | None = Field(None, gt=0)
     # On host_cores: a disaggregated decode worker's step, while another worker's step computes
     # prompt tokens, gets at most 1 / decode_corun_slowdown of a core (the prompt's way in wakes
     # the decode worker's own threads: its reservation, the KV pull, the admit). calibrate

@@ -76,6 +76,7 @@ def test_sim_calibrate_measures_the_serving_path_of_brigade_serve(base_url: str)
     what it was measured from, and the disaggregated pass leaves the colocated terms alone."""
     from cluster.serving_costs import measure_serving, step_timer
     from engine.presets import PRESETS
+    from sim.corun import SPANS_S
     from sim.hardware import DeviceProfile
     from sim.shapes import ModelShape
 
@@ -117,9 +118,12 @@ def test_sim_calibrate_measures_the_serving_path_of_brigade_serve(base_url: str)
     # the hits beside three answers too, and the wait per answer beyond the first fitted from them
     assert seen["hit_beside_3_s"] > 0 and seen["long_hit_beside_3_s"] > 0
     assert 0 <= disagg.corun_wait_per_answer_s <= 0.02
+    # and cold prompts beside one answer, where the ceiling's span is fitted
+    assert seen["cold_hit_alone_s"] > 0 and seen["cold_hit_beside_1_s"] > 0
+    assert disagg.corun_span_s in SPANS_S and seen["measured_growth_cold_s"] is not None
     assert seen["jitter_long_s"] and disagg.request_jitter_s  # the short hits' spread is the profile's
     # the answer streamed through the scene: its pace before the hits and beside them, and the fit's;
-    # the tiny model may finish its 400 tokens before the first hit, and then the fit says so
+    # the tiny model may finish its 1,000 tokens before the first hit, and then the fit says so
     if "decode_fit_skipped" in seen:
         assert "ended before" in seen["decode_fit_skipped"] and disagg.decode_corun_slowdown == 1.0
     else:

@@ -4,6 +4,8 @@ none where sharing the cores explains it all; the handoff is set from the scene'
 decode slowdown is the one that slowed the scene's answer beside the hits."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from sim.corun import (
@@ -11,6 +13,7 @@ from sim.corun import (
     HitTtfts,
     StreamGaps,
     fit_corun,
+    fit_corun_span,
     fit_decode_corun,
     fit_wait_per_answer,
     handoff_to_match,
@@ -24,7 +27,7 @@ from sim.hardware import load_device
 HOST = load_device("cpu-2core").model_copy(update={
     "name": "host", "host_cores": 2.0, "stream_cpu_s": 0.004, "peak_flops": 6e10, "mem_bw": 1e11,
     "step_overhead_s": 0.017, "seq_overhead_s": 0.002})
-SCENE = HitScene("bench", width=1)  # the stream outlasts the hits (as measured)
+SCENE = HitScene("bench", width=1, hits=12, stream_len=400, cold=False)  # short and long hits; the stream outlasts them
 GRID = {"slowdowns": (1.0, 1.3, 1.6, 2.0), "waits_s": (0.0, 0.01, 0.02, 0.03)}  # the default's is finer
 
 
@@ -58,7 +61,7 @@ def test_a_wait_grows_both_hits_alike_and_a_slowdown_the_long_one_more() -> None
 
 def test_growth_the_fair_share_explains_needs_neither() -> None:
     alone, fair = hit_ttfts(HOST, SCENE, width=0), hit_ttfts(HOST, SCENE)
-    half = HitTtfts(*(a + 0.5 * (f - a) for a, f in zip(alone, fair)))
+    half = HitTtfts(*(a + 0.5 * (f - a) for a, f in zip(alone[:2], fair[:2])))
     fitted, seen = fit_corun(HOST, SCENE, alone, half, **GRID)
     assert fitted.corun_slowdown == 1.0 and fitted.corun_wait_s == 0.0
     assert seen["growth_at_none_short_s"] > seen["measured_growth_short_s"] > 0
@@ -93,6 +96,29 @@ def test_the_wait_per_answer_is_what_the_hits_beside_three_answers_took_beyond_t
         fit_wait_per_answer(fitted_one, SCENE, 1, alone, made)
 
 
+def test_the_span_is_where_the_cold_hits_stop_growing_with_their_step() -> None:
+    # The calibration's scene (short, long and cold hits in turn), its hits far enough apart that
+    # none waits for the last on this slow profile (a cold hit beside the answer takes 0.77 s).
+    scene = HitScene("bench", width=1, spacing_s=0.8)
+    fitted_one = _with(0.01, 1.6)
+    alone = hit_ttfts(fitted_one, scene, width=0)
+    assert alone.cold_s > alone.long_s > alone.short_s  # every cold hit computes its whole prompt
+    made = hit_ttfts(fitted_one.model_copy(update={"corun_span_s": 0.1}), scene)
+    whole = hit_ttfts(fitted_one, scene)
+    assert whole.cold_s - made.cold_s > 0.01  # the ceiling spared the cold steps' tail
+    assert made.short_s == pytest.approx(whole.short_s, abs=0.002)  # a short hit's step ends within it
+    spans = (0.05, 0.1, 0.2, None)
+    fitted, seen = fit_corun_span(fitted_one, scene, alone, made, spans_s=spans)
+    assert fitted.corun_span_s == 0.1 and (fitted.corun_wait_s, fitted.corun_slowdown) == (0.01, 1.6)
+    assert seen["simulated_growth_cold_s"] == pytest.approx(made.cold_s - alone.cold_s)
+    assert seen["growth_cold_over_the_whole_step_s"] == pytest.approx(whole.cold_s - alone.cold_s)
+    assert fit_corun_span(fitted_one, scene, alone, whole, spans_s=spans)[0].corun_span_s is None
+    without = hit_ttfts(fitted_one, SCENE, width=0)
+    assert without.cold_s is None
+    with pytest.raises(ValueError, match="cold hits"):
+        fit_corun_span(fitted_one, SCENE, without, hit_ttfts(fitted_one, SCENE), spans_s=spans)
+
+
 def test_the_handoff_is_what_the_lone_hits_took_beyond_the_simulation() -> None:
     made = hit_ttfts(HOST.model_copy(update={"handoff_overhead_s": 0.012}), SCENE, width=0)
     handoff, sim = handoff_to_match(HOST, SCENE, made)
@@ -106,7 +132,7 @@ def test_the_handoff_is_what_the_lone_hits_took_beyond_the_simulation() -> None:
 
 
 def test_the_scene_is_simulated_at_spread_phases() -> None:
-    one = hit_ttfts(HOST, HitScene("bench", width=1, phases=1), width=1)
+    one = hit_ttfts(HOST, replace(SCENE, phases=1), width=1)
     spread = hit_ttfts(HOST, SCENE)
     assert SCENE.phases > 1 and spread != one  # more samples, at other phases of the decode steps
     assert abs(spread.short_s - one.short_s) < SCENE.phase_window_s + 0.03  # the same scene, not another

@@ -131,6 +131,38 @@ def test_corun_slowdown_slows_a_prompt_step_beside_a_step_that_decodes() -> None
         CpuHost(2, corun_slowdown=0.5)
 
 
+def test_corun_span_ends_the_ceiling_that_long_after_the_prompt_step_starts() -> None:
+    host = CpuHost(2, corun_slowdown=2.0, corun_span_s=0.5)
+
+    def job(cpu_s: float, prompt: bool, decode: int = 0):
+        return _step_ends_at(host, cpu_s, prompt, decode)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        # 1 s of prompt beside a decoding step: half a core for 0.5 s (0.25 done), then a core.
+        long, decode = await asyncio.gather(job(1.0, True), job(3.0, False, decode=1))
+        # A step done within the span takes the whole ceiling: 0.2 s at half a core.
+        started = loop.time()
+        short, _ = await asyncio.gather(job(0.2, True), job(1.0, False, decode=1))
+        short -= started
+        # The span counts from the prompt step's start, not from the decoding's: alone 0.3 s
+        # (0.3 done), capped 0.2 s (0.1), then a core for the 0.6 left.
+        started = loop.time()
+        prompt = loop.create_task(job(1.0, True))
+        await asyncio.sleep(0.3)
+        other = loop.create_task(job(3.0, False, decode=1))
+        late = await prompt - started
+        await other
+        return long, decode, short, late
+
+    long, decode, short, late = run_virtual(main())
+    assert long == pytest.approx(1.25) and decode == pytest.approx(3.0)
+    assert short == pytest.approx(0.4)
+    assert late == pytest.approx(1.1)
+    with pytest.raises(ValueError, match="span"):
+        CpuHost(2, corun_span_s=0.0)
+
+
 def test_corun_wait_delays_a_prompt_step_once_and_per_answer_beyond_the_first() -> None:
     host = CpuHost(2, corun_wait_s=0.25, corun_wait_per_answer_s=0.1)
 
