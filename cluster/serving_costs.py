@@ -2,8 +2,8 @@
 steps, measured on a running `brigade serve` with loadtest's HTTP target (so it lives at the
 edge: sim/ imports only engine and router), into a device profile's request_overhead_s,
 request_overhead_per_token_s, token_overhead_s, stream_cpu_s (with host_cores),
-handoff_overhead_s, kv_receive_cpu_per_token_s, corun_wait_s, corun_slowdown,
-decode_corun_slowdown and request_jitter_s."""
+handoff_overhead_s, kv_receive_cpu_per_token_s, corun_wait_s, corun_wait_per_answer_s,
+corun_slowdown, corun_span_s, decode_corun_slowdown and request_jitter_s."""
 from __future__ import annotations
 
 import asyncio
@@ -159,10 +159,11 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
     worker's CPU per request of `receive_requests` distinct `long_len`-token prompts and of
     `short_len`-token ones (2 tokens each: every prompt's KV crosses), less its idle rate over
     each request's time, as a line through the two; and corun_wait_s and corun_slowdown: the
-    median TTFTs of prefix hits (2 tokens each) sent one at a time alone and beside
-    `corun_width` long answers, in `rounds` interleaved rounds, alternately of a
-    `long_len`-token prompt (its full blocks cached) and of those blocks with more new tokens
-    of their own, whose growths the simulator is fitted to (sim/corun.py; the scene simulated
+    median TTFTs of hits (2 tokens each) sent on a beat alone and beside `corun_width` long
+    answers, in `rounds` interleaved rounds, in turn a `long_len`-token prompt (its full blocks
+    cached), those blocks with more new tokens of their own, and `long_len` tokens of its own
+    (a cold prompt, for corun_span_s: sim/corun.py's fit_corun_span), whose growths the
+    simulator is fitted to (sim/corun.py; the scene simulated
     at `corun_phases` phases of the decode steps: each costs the fit's grid once more). Eight
     rounds (about a minute), not two: with six short hits a width in each, two calibrations put
     the short hits' growth at 24 and 37 ms (and the fit's wait at 2.5 and 20 ms), three longer

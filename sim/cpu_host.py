@@ -27,12 +27,14 @@ answer after it. One wait, fitted beside one answer, either fixed put the hits b
 answers 17-26 ms low (re-simulated from stop 42's recorded run) or per answer 21-28 ms high
 (stop 44's). A step that decodes answers of its own (a colocated worker's mixed step) is spared
 both: it runs in the streaming's rhythm, and with them two colocated workers' hits beside three
-answers were simulated up to 12 ms high, without them within 2 ms. A colocated fleet takes none
-of the co-run terms (sim/fleet.py builds its host without them): its hits take no way through a
-decode worker busy with its steps, and measured per request in stop 45's two runs they grew 9-23
-ms beside one answer where 1P+1D's grew 30-38 at 1 and 2 req/s, on the same engine; with the
-terms fitted on 1P+1D, four recorded runs' colocated p50 TTFTs were simulated up to 0.33 high,
-with a fair share alone at most 0.24 (and lower in all four).
+answers were simulated up to 12 ms high, without them within 2 ms. A colocated fleet takes the
+ceiling and not the waits (sim/fleet.py): its hits take no way through a decode worker busy with
+its steps, and measured per request in stop 45's two runs they grew 9-23 ms beside one answer
+where 1P+1D's grew 30-38 at 1 and 2 req/s, on the same engine; but its prompt steps beside the
+other worker's answers took 1.18-1.22x their simulated time without the ceiling (stop 46's first
+run), 0.93-1.14x with it (four runs before). Re-simulated on those five runs, the colocated hits
+beside one answer missed by 100 ms in all (the per-rate medians' misses summed) with the ceiling
+alone, 127 with neither, and with both one calibration's 15 ms wait put them 27-40 ms high.
 Measured on one 1P+1D serve,
 hits of 4 and of 96 new tokens over a cached 512-token prefix grew by 39 and 74 ms beside one
 stream: a ceiling alone fitted to the short hit (about 2) gave the long one 134 ms, and no

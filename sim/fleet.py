@@ -99,11 +99,14 @@ class Fleet:
         self._jitter = random.Random(cfg.seed)
         self.workers: list[SimWorker] = []
         # A CPU machine's profile: one host's cores under every worker and the serving path. The
-        # co-run terms are a disaggregated fleet's (sim/cpu_host.py): colocated workers share the
-        # cores fairly and no more.
-        corun = (self.device.corun_slowdown, self.device.corun_wait_s, self.device.decode_corun_slowdown,
-                 self.device.corun_wait_per_answer_s, self.device.corun_span_s) if cfg.mode == "disaggregated" else ()
-        self.cpu = CpuHost(self.device.host_cores, *corun) if self.device.host_cores else None
+        # co-run waits are a disaggregated fleet's (a hit's way through a decode worker busy with
+        # its steps); the ceiling, the threads each streamed token wakes, is every fleet's
+        # (sim/cpu_host.py).
+        disaggregated = cfg.mode == "disaggregated"
+        self.cpu = CpuHost(self.device.host_cores, self.device.corun_slowdown,
+                           self.device.corun_wait_s if disaggregated else 0.0, self.device.decode_corun_slowdown,
+                           self.device.corun_wait_per_answer_s if disaggregated else 0.0,
+                           self.device.corun_span_s) if self.device.host_cores else None
 
     def _worker(self, worker_id: str, role: str, tp: int) -> SimWorker:
         device = self.device

@@ -94,8 +94,8 @@ class DeviceProfile(_Frozen):
     # if its fair share is less (run-queue waits behind the threads each streamed token wakes; a
     # hit's growth there is part fixed, part proportional to its step: sim/cpu_host.py).
     # calibrate --disagg-url fits the first two and the ceiling on a 1 prefill + 1 decode serve
-    # beside one answer, the per-answer part beside three; 0, 0 and 1: none. A disaggregated
-    # fleet's only: colocated workers share the cores fairly and no more.
+    # beside one answer, the per-answer part beside three; 0, 0 and 1: none. The waits are a
+    # disaggregated fleet's only (a hit's way through a busy decode worker); the ceiling every fleet's.
     corun_wait_s: float = Field(0.0, ge=0)
     corun_wait_per_answer_s: float = Field(0.0, ge=0)
     corun_slowdown: float = Field(1.0, ge=1)
