@@ -171,10 +171,12 @@ def _simulate(profile: DeviceProfile, scene: HitScene, width: int) -> tuple[HitT
             for k in range(scene.hits):
                 kinds[scene.kind(k)].append(records[f"hit{k}"].ttft_s)
             if width:
-                answer, last = records["stream0"], records[f"hit{scene.hits - 1}"]
+                answer = records["stream0"]
+                # to the latest hit's answer, as measured (a hit behind a slow cold one may end last)
+                last = max(records[f"hit{k}"].start_s + records[f"hit{k}"].e2e_s for k in range(scene.hits))
                 try:
                     gaps.append(StreamGaps.of([answer.start_s + t for t in answer.chunk_times_s], answer.start_s,
-                                              records["hit0"].start_s, last.start_s + last.e2e_s, scene))
+                                              records["hit0"].start_s, last, scene))
                 except ValueError:  # the answer ended before the hits
                     pass
     return HitTtfts.of(kinds), StreamGaps.mean(gaps) if gaps else None
