@@ -385,10 +385,9 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
                      "simulated_alone_at_that_long_s": sim_alone.long_s}
             profile, fit_seen = fit_corun(profile.model_copy(update={"handoff_overhead_s": handoff}), scene, alone,
                                           beside)
-            if scene.cold:
-                profile, span_seen = fit_corun_span(profile, scene, alone, beside)
-                fit_seen |= span_seen | {"cold_hit_alone_s": alone.cold_s,
-                                         f"cold_hit_beside_{corun_width}_s": beside.cold_s}
+            profile, span_seen = fit_corun_span(profile, scene, alone, beside)  # the scene above has cold hits
+            fit_seen |= span_seen | {"cold_hit_alone_s": alone.cold_s,
+                                     f"cold_hit_beside_{corun_width}_s": beside.cold_s}
             if wide:
                 profile, wide_seen = fit_wait_per_answer(profile, scene, corun_wide_width, alone, wide[0])
                 fit_seen |= wide_seen | {f"hit_beside_{corun_wide_width}_s": wide[0].short_s,
