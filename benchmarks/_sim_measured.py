@@ -59,7 +59,6 @@ from _sim_validate import (
     engine_fit_around,
     errors,
     fleet_config,
-    overhead_at,
     serve,
     simulate_load,
     step_speed,
@@ -173,12 +172,7 @@ def run(out_dir: Path, quick: bool, parts: set[str]) -> tuple[dict, dict]:
                 # on the mean of engine fits taken just before and just after it, and the fleet is
                 # measured until REPEATS tries are steady (the fits within MAX_DRIFT, the
                 # hypervisor's steal within STOLEN), at most MAX_TRIES; the steadiest REPEATS count.
-                # The request overhead again, on this serve, with the engine fitted just after
-                # (the calibration's, from another serve minutes ago, put lone hits 5-8 ms off).
-                serving, before, raw.setdefault("lone_hits", {})[fleet.name] = overhead_at(
-                    fleet, MODEL, url, profile, out_dir / f"{fleet.name}-before.json", rounds=1 if quick else 4)
-                print(f"  {fleet.name}: request overhead {serving['request_overhead_s'] * 1e3:.1f} ms on its serve "
-                      f"(calibrated {profile['request_overhead_s'] * 1e3:.1f})", flush=True)
+                before = calibrate(MODEL, 1, out_dir / f"{fleet.name}-before.json")
                 tries = []
                 for attempt in range(1, max_tries + 1):
                     # Each try its own prompts: the serve's prefix cache still holds the last try's.
@@ -191,7 +185,7 @@ def run(out_dir: Path, quick: bool, parts: set[str]) -> tuple[dict, dict]:
                     after = calibrate(MODEL, 1, out_dir / f"{fleet.name}-after-{attempt}.json")
                     drift = engine_drift(MODEL, before, after)
                     fitted = out_dir / f"{fleet.name}-profile-{attempt}.json"
-                    fitted.write_text(json.dumps(engine_fit_around(MODEL, before, after, serving), indent=1))
+                    fitted.write_text(json.dumps(engine_fit_around(MODEL, before, after, profile), indent=1))
                     tries.append(Try(max(drift / MAX_DRIFT, share / STOLEN), drift, share, runs, fitted, offset))
                     print(f"  {fleet.name} try {attempt}: the engine's steps moved {drift:.0%} during its runs, "
                           f"the hypervisor took {share:.0%} of the CPU time", flush=True)

@@ -210,40 +210,6 @@ def engine_fit_around(model: str, before: dict, after: dict, serving: dict) -> d
     return out | {k: serving[k] * speed for k in SERVING_TIMES if serving.get(k) is not None}
 
 
-def lone_scene(fleet: Fleet, model: str):
-    """The lone hits overhead_at measures on a fleet's serve: short and long prefix hits on a
-    beat, none beside them (sim/corun.py's HitScene, on the fleet's own shape)."""
-    from sim.corun import HitScene
-
-    return HitScene(model, width=0, hits=12, cold=False, **fleet.sim_fields())
-
-
-def overhead_at(fleet: Fleet, model: str, url: str, serving: dict, engine_out: Path,
-                rounds: int = 4) -> tuple[dict, dict, dict]:
-    """`serving` with its request_overhead_s fitted again on the fleet's own serve at `url`:
-    lone_scene's hits measured there (sim/corun.py's overhead_to_match), on the engine fitted
-    just after them (`calibrate`, written to `engine_out`). The calibration measures the request overhead once, at the
-    start, on another serve, and it moved from 9 to 21 ms between calibrations; in stop 46's
-    recorded run every validated fleet's lone hits were simulated 5-8 ms high. Kept in the
-    calibration's units (engine_fit_around scales it by the engine's speed in each try, as the
-    other serving terms). Returns that profile, the engine fit, and what was seen."""
-    from cluster.serving_costs import measure_lone_hits
-    from sim.corun import overhead_to_match
-    from sim.hardware import DeviceProfile
-
-    scene = lone_scene(fleet, model)
-    lone = measure_lone_hits(url, scene, rounds)
-    engine = calibrate(model, 1, engine_out)
-    now = engine_fit_around(model, engine, engine, serving)
-    fitted, sim = overhead_to_match(DeviceProfile.model_validate(now), scene, lone)
-    speed = _decode_steps_s(model, now) / _decode_steps_s(model, serving)
-    overhead = max(0.0, serving["request_overhead_s"] + (fitted - now["request_overhead_s"]) / speed)
-    seen = {"measured_short_s": lone.short_s, "measured_long_s": lone.long_s, "simulated_short_s": sim.short_s,
-            "simulated_long_s": sim.long_s, "calibrated_request_overhead_s": serving["request_overhead_s"],
-            "request_overhead_s": overhead, "engine_speed": speed}
-    return serving | {"request_overhead_s": overhead}, engine, seen
-
-
 def _fit(model: str, profile: dict):
     """The roofline a profile (a JSON dict) gives `model`'s steps."""
     from sim.cost import Roofline

@@ -121,99 +121,6 @@ def _serving_cpu_s(since: CpuSample, until: CpuSample) -> float:
     return (until.busy_s - since.busy_s) - workers
 
 
-class Probe:
-    """Requests to a running serve through loadtest's HTTP target, as `brigade bench` sends
-    them, with prompts of this probe's own (a probe made again on the same serve, as for a stolen
-    try, finds none of its "distinct" prompts cached by the last one)."""
-
-    def __init__(self, url: str):
-        self.url = url
-        self._ids = iter(range(10**9))
-        self.first_token = 101 + time.monotonic_ns() % 997  # every prompt's first token: this probe's own
-
-    def new_id(self) -> int:
-        return next(self._ids)
-
-    def target(self):
-        return make_target(TargetConfig(url=self.url, ignore_eos=True, return_token_ids=True, timeout_s=120))
-
-    async def one(self, target, prompt_len: int, max_tokens: int, i: int | None = None,
-                  token_ids: list[int] | None = None, times: list[float] | None = None
-                  ) -> tuple[float, float, int, float]:
-        """(TTFT, the last token's time, tokens, the first token's time to the second's) of one
-        answer (to `token_ids` where given, else a distinct `prompt_len`-token prompt: the i-th,
-        so the same i is the same prompt, a prefix hit after the first); `times` gets each
-        token's time as it comes (on time.perf_counter's clock), and keeps them if the answer
-        is cancelled."""
-        i = self.new_id() if i is None else i
-        tokens = token_ids or [self.first_token] + [101 + (7 * i + 13 * j) % 997 for j in range(1, prompt_len)]
-        prompt = Prompt(f"calibrate-{i}", "calibrate", (Message("user", tokens),), max_tokens)
-        sent = time.perf_counter()
-        chunks = []
-        async for c in target.stream(prompt):
-            if c.num_tokens:
-                chunks.append(c)
-                if times is not None:
-                    times += [c.time] * c.num_tokens
-        second = chunks[1].time - chunks[0].time if len(chunks) > 1 else 0.0
-        return chunks[0].time - sent, chunks[-1].time - sent, sum(c.num_tokens for c in chunks), second
-
-    async def hits_beside(self, width: int, scene: HitScene) -> tuple[tuple[list[float], ...], StreamGaps | None]:
-        """TTFTs of the scene's hits by kind (short, long, cold), sent on its beat while
-        `width` answers stream, and the first answer's pace before and beside them (None without
-        one, or where it ended before the hits)."""
-        t = self.target()
-        salt = self.new_id()  # this scene's own prompts: none cached by an earlier one
-        hit = [self.first_token + salt % 97] + scene.hit_prompt()[1:]
-        try:
-            for _ in range(2):  # warm the path up and cache the prompt
-                await self.one(t, 0, 2, token_ids=hit)
-            answer: list[float] = []
-            began = time.perf_counter()
-            streams = [asyncio.create_task(self.one(t, scene.short_len, scene.stream_len,
-                                                    times=answer if not i else None))
-                       for i in range(width)]
-            await asyncio.sleep(scene.settle_s)  # past their prefills: decoding
-            first_hit = time.perf_counter()
-
-            async def hit_k(k: int) -> tuple[float, float]:
-                """Hit k's TTFT and when it was answered: sent on the scene's beat whether or not
-                the last was answered, as the simulator sends them (a cold prompt slower than the
-                beat, as on a slower machine, then delays the next in both)."""
-                await asyncio.sleep(max(0.0, first_hit + k * scene.spacing_s - time.perf_counter()))
-                ttft = (await self.one(t, 0, 2, token_ids=scene.prompt(hit, k, salt, first=self.first_token)))[0]
-                return ttft, time.perf_counter()
-
-            got = await asyncio.gather(*(hit_k(k) for k in range(scene.hits)))
-            ttfts: tuple[list[float], ...] = ([], [], [])
-            for k, (ttft, _) in enumerate(got):
-                ttfts[scene.kind(k)].append(ttft)
-            answered = max(end for _, end in got)
-            for task in streams:  # closes their connections: the router aborts them
-                task.cancel()
-            await asyncio.gather(*streams, return_exceptions=True)
-            try:
-                pace = StreamGaps.of(answer, began, first_hit, answered, scene) if width else None
-            except ValueError:  # the answer ended before the hits (a fast model): nothing to time
-                pace = None
-            return ttfts, pace
-        finally:
-            await t.aclose()
-
-
-def measure_lone_hits(url: str, scene: HitScene, rounds: int = 4) -> HitTtfts:
-    """The median TTFTs of `scene`'s hits sent alone (no answer beside them), `rounds` times,
-    on a running serve of any fleet: what `sim.corun.overhead_to_match` fits the request
-    overhead to on the very serve a validation measures."""
-    probe = Probe(url)
-    kinds: tuple[list[float], ...] = ([], [], [])
-    for _ in range(rounds):
-        got, _ = asyncio.run(probe.hits_beside(0, scene))
-        for seen_s, more in zip(kinds, got):
-            seen_s += more
-    return HitTtfts.of(kinds)
-
-
 def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggregated: bool = False,
                     requests: int = 8, short_len: int = SHORT_LEN, long_len: int = 516,
                     decode_tokens: int = DECODE_TOKENS,
@@ -281,9 +188,33 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
     What was seen includes `steal_share`: the share of the CPU time the machine wanted that its
     hypervisor took meanwhile (cluster/steal.py); above STOLEN the figures are the neighbours'.
     The profile with them set, and what was seen."""
-    probe = Probe(url)
-    one, target = probe.one, probe.target
+    ids = iter(range(10**9))
+    # Every prompt's first token: this call's own, so a call measured again on the same serve
+    # (a stolen try) finds none of its "distinct" prompts cached by the last one.
+    first_token = 101 + time.monotonic_ns() % 997
     stolen = StealMeter()
+
+    async def one(target, prompt_len: int, max_tokens: int, i: int | None = None,
+                  token_ids: list[int] | None = None, times: list[float] | None = None
+                  ) -> tuple[float, float, int, float]:
+        """(TTFT, the last token's time, tokens, the first token's time to the second's) of one
+        answer (to `token_ids` where given); `times` gets each token's time as it comes (on
+        time.perf_counter's clock), and keeps them if the answer is cancelled."""
+        i = next(ids) if i is None else i  # the same i: the same prompt (a prefix hit after the first)
+        tokens = token_ids or [first_token] + [101 + (7 * i + 13 * j) % 997 for j in range(1, prompt_len)]
+        prompt = Prompt(f"calibrate-{i}", "calibrate", (Message("user", tokens),), max_tokens)
+        sent = time.perf_counter()
+        chunks = []
+        async for c in target.stream(prompt):
+            if c.num_tokens:
+                chunks.append(c)
+                if times is not None:
+                    times += [c.time] * c.num_tokens
+        second = chunks[1].time - chunks[0].time if len(chunks) > 1 else 0.0
+        return chunks[0].time - sent, chunks[-1].time - sent, sum(c.num_tokens for c in chunks), second
+
+    def target():
+        return make_target(TargetConfig(url=url, ignore_eos=True, return_token_ids=True, timeout_s=120))
 
     async def ttfts(prompts: dict[int, bool]) -> dict[int, float]:
         """The median TTFT of one-token answers to each prompt length (True: the same prompt
@@ -291,7 +222,7 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
         weighs on both (measured one length after the other, two calibrations half an hour
         apart put the line's slope at 17.5 and 50.7 us a prompt token)."""
         t = target()
-        same = {n: probe.new_id() if hit else None for n, hit in prompts.items()}
+        same = {n: next(ids) if hit else None for n, hit in prompts.items()}
         seen_s: dict[int, list[float]] = {n: [] for n in prompts}
         try:
             for k in range(2 + requests):  # two to warm the path up (and cache the prompt, for a hit)
@@ -300,6 +231,47 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
                     if k >= 2:
                         seen_s[n].append(first)
             return {n: statistics.median(v) for n, v in seen_s.items()}
+        finally:
+            await t.aclose()
+
+    async def hits_beside(width: int, scene: HitScene) -> tuple[tuple[list[float], ...], StreamGaps | None]:
+        """TTFTs of the scene's hits by kind (short, long, cold), sent on its beat while
+        `width` answers stream, and the first answer's pace before and beside them (None without
+        one, or where it ended before the hits)."""
+        t = target()
+        salt = next(ids)  # this scene's own prompts: none cached by an earlier one
+        hit = [first_token + salt % 97] + scene.hit_prompt()[1:]
+        try:
+            for _ in range(2):  # warm the path up and cache the prompt
+                await one(t, 0, 2, token_ids=hit)
+            answer: list[float] = []
+            began = time.perf_counter()
+            streams = [asyncio.create_task(one(t, scene.short_len, scene.stream_len, times=answer if not i else None))
+                       for i in range(width)]
+            await asyncio.sleep(scene.settle_s)  # past their prefills: decoding
+            first_hit = time.perf_counter()
+
+            async def hit_k(k: int) -> tuple[float, float]:
+                """Hit k's TTFT and when it was answered: sent on the scene's beat whether or not
+                the last was answered, as the simulator sends them (a cold prompt slower than the
+                beat, as on a slower machine, then delays the next in both)."""
+                await asyncio.sleep(max(0.0, first_hit + k * scene.spacing_s - time.perf_counter()))
+                ttft = (await one(t, 0, 2, token_ids=scene.prompt(hit, k, salt, first=first_token)))[0]
+                return ttft, time.perf_counter()
+
+            got = await asyncio.gather(*(hit_k(k) for k in range(scene.hits)))
+            ttfts: tuple[list[float], ...] = ([], [], [])
+            for k, (ttft, _) in enumerate(got):
+                ttfts[scene.kind(k)].append(ttft)
+            answered = max(end for _, end in got)
+            for task in streams:  # closes their connections: the router aborts them
+                task.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
+            try:
+                pace = StreamGaps.of(answer, began, first_hit, answered, scene) if width else None
+            except ValueError:  # the answer ended before the hits (a fast model): nothing to time
+                pace = None
+            return ttfts, pace
         finally:
             await t.aclose()
 
@@ -401,7 +373,7 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
             paces: list[StreamGaps] = []
             for _ in range(rounds):  # interleaved: the machine's speed drifts
                 for width, kinds in ttfts.items():
-                    got, pace = asyncio.run(probe.hits_beside(width, scene))
+                    got, pace = asyncio.run(hits_beside(width, scene))
                     for seen_s, more in zip(kinds, got):
                         seen_s += more
                     if pace is not None and width == corun_width:

@@ -32,9 +32,7 @@ class HitScene:
     `long_new` tokens of its own (a longer step over the same prefix); where `cold`, a cold one
     `hit_len` tokens no other prompt has (a whole prompt's step, where corun_span_s shows). The
     answer's tokens from `quiet_from_s` after it was sent to the first hit are its pace alone
-    (past its admission), those from the first hit to the last one's answer its pace beside them.
-    The fleet is 1P+1D unless `mode`, `prefill` and `decode` (sim/fleet.py's) say otherwise: the
-    lone hits (width 0) are measured on other fleets too (overhead_to_match)."""
+    (past its admission), those from the first hit to the last one's answer its pace beside them."""
 
     model: str
     width: int
@@ -54,9 +52,6 @@ class HitScene:
     # jumped by up to 15 ms between neighbouring points of fit_corun's grid.
     phases: int = 3
     phase_window_s: float = 0.03
-    mode: str = "disaggregated"
-    prefill: int = 1
-    decode: int = 1
 
     def hit_prompt(self) -> list[int]:
         return [101 + 13 * j % 997 for j in range(self.hit_len)]
@@ -168,8 +163,7 @@ def _simulate(profile: DeviceProfile, scene: HitScene, width: int) -> tuple[HitT
         # Medians compared across a grid of profiles: each request at its median (no jitter).
         path.write_text(profile.model_copy(update={"request_jitter_s": ()}).model_dump_json())
         cfg = FleetConfig(model=scene.model, device=str(path), link="gloo-loopback", block_size=scene.block_size,
-                          scheduler=SchedulerConfig(), router=RouterConfig(), stream_every=1, mode=scene.mode,
-                          prefill=scene.prefill, decode=scene.decode)
+                          scheduler=SchedulerConfig(), router=RouterConfig(), stream_every=1)
         for phase in range(scene.phases):
             sessions = around + [SimSession(f"hit{k}", first + k * scene.spacing_s + _phase(phase, k, scene),
                                             ((prompt, 2),)) for k, prompt in enumerate(prompts)]
@@ -204,27 +198,10 @@ def handoff_to_match(profile: DeviceProfile, scene: HitScene, alone: HitTtfts) -
     these lone hits said 8.6 and 2.3 ms, and 0.0 and 1.1 ms in two more where this gave 18.2
     and 18.4 (re-simulated with the cold prompt's, the first of those runs' disaggregated p50
     TTFTs were 24-43% low; with this one, 2-25%)."""
-    miss, sim = _lone_miss(profile, scene, alone)
-    return max(0.0, profile.handoff_overhead_s + miss), sim
-
-
-def overhead_to_match(profile: DeviceProfile, scene: HitScene, alone: HitTtfts) -> tuple[float, HitTtfts]:
-    """The request_overhead_s with which `scene`'s lone hits (on its fleet, any mode), simulated,
-    take what they were measured to (as handoff_to_match, at least 0), and the simulated lone hits
-    it started from. sim_bench measures them on each fleet it validates, just before its tries:
-    the request overhead the calibration measures at the start on a colocated serve moved from
-    9 to 21 ms over six calibrations (stops 44-46), and in stop 46's recorded run every fleet's
-    lone hits were simulated 5-8 ms high (1P+1D's 4-10 ms high in every run of stops 44-46)."""
-    miss, sim = _lone_miss(profile, scene, alone)
-    return max(0.0, profile.request_overhead_s + miss), sim
-
-
-def _lone_miss(profile: DeviceProfile, scene: HitScene, alone: HitTtfts) -> tuple[float, HitTtfts]:
-    """How much longer the scene's lone hits were measured than simulated (the mean of the short
-    and the long hits': the cold hits' step holds the engine fit's noise), and the simulated."""
     sim = hit_ttfts(profile, scene, width=0)
     grown = alone.over(sim)
-    return (grown.short_s + grown.long_s) / 2, sim
+    miss = (grown.short_s + grown.long_s) / 2  # the cold hits' step holds the engine fit's noise
+    return max(0.0, profile.handoff_overhead_s + miss), sim
 
 
 def jitter_quantiles(*samples: list[float], points: int = 11) -> tuple[float, ...]:

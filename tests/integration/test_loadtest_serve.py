@@ -132,14 +132,3 @@ def test_sim_calibrate_measures_the_serving_path_of_brigade_serve(base_url: str)
     keep = ("request_overhead_s", "request_overhead_per_token_s", "token_overhead_s", "worker_step_overhead_s",
             "stream_cpu_s")
     assert {k: getattr(disagg, k) for k in keep} == {k: getattr(colocated, k) for k in keep}
-
-
-def test_lone_hits_are_measured_on_a_running_serve(base_url: str) -> None:
-    """What sim_bench fits each validated fleet's request overhead on (cluster/serving_costs.py's
-    measure_lone_hits): the scene's short and long prefix hits, none beside them, on a real serve."""
-    from cluster.serving_costs import measure_lone_hits
-    from sim.corun import HitScene
-
-    scene = HitScene("tiny", width=0, hits=4, cold=False, settle_s=0.1, spacing_s=0.2, hit_len=68, long_new=32)
-    lone = measure_lone_hits(base_url, scene, rounds=1)
-    assert 0 < lone.short_s < 5 and 0 < lone.long_s < 5 and lone.cold_s is None

@@ -19,7 +19,6 @@ from sim.corun import (
     handoff_to_match,
     hit_ttfts,
     jitter_quantiles,
-    overhead_to_match,
     stream_gaps,
 )
 from sim.hardware import load_device
@@ -130,27 +129,6 @@ def test_the_handoff_is_what_the_lone_hits_took_beyond_the_simulation() -> None:
         0.012, abs=0.001)
     faster = HitTtfts(sim.short_s - 0.02, sim.long_s - 0.02)
     assert handoff_to_match(HOST, SCENE, faster)[0] == 0.0
-
-
-def test_the_request_overhead_is_what_the_lone_hits_took_on_any_fleet() -> None:
-    # sim_bench fits it again on each validated fleet's own serve: 1P+1D, 2 colocated, 2P+1D
-    for fields in ({}, {"mode": "colocated", "prefill": 2, "decode": 0}, {"prefill": 2}):
-        scene = HitScene("bench", width=0, hits=8, cold=False, **fields)
-        made = hit_ttfts(HOST.model_copy(update={"request_overhead_s": 0.015}), scene, width=0)
-        overhead, sim = overhead_to_match(HOST.model_copy(update={"request_overhead_s": 0.03}), scene, made)
-        assert overhead == pytest.approx(0.015, abs=0.001), fields
-        assert sim.short_s == pytest.approx(made.short_s + 0.015, abs=0.001)  # from the profile it was given
-        faster = HitTtfts(made.short_s - 0.05, made.long_s - 0.05)
-        assert overhead_to_match(HOST, scene, faster)[0] == 0.0  # never below zero
-
-
-def test_the_scene_is_simulated_on_its_own_fleet() -> None:
-    # a colocated fleet's hits take no handoff to a decode worker; a disaggregated one's do
-    colocated = HitScene("bench", width=0, hits=8, cold=False, mode="colocated", prefill=1, decode=0)
-    disagg = replace(colocated, mode="disaggregated", decode=1)
-    slow_handoff = HOST.model_copy(update={"handoff_overhead_s": 0.05})
-    assert hit_ttfts(slow_handoff, colocated) == hit_ttfts(HOST, colocated)
-    assert hit_ttfts(slow_handoff, disagg).short_s == pytest.approx(hit_ttfts(HOST, disagg).short_s + 0.05, abs=0.002)
 
 
 def test_the_scene_is_simulated_at_spread_phases() -> None:

@@ -18,8 +18,6 @@ from _sim_validate import (  # noqa: E402
     engine_fit_around,
     errors,
     fleet_config,
-    lone_scene,
-    overhead_at,
     simulate_load,
     step_speed,
 )
@@ -140,44 +138,6 @@ def test_a_try_s_profile_scales_the_serving_terms_by_the_engine_s_move() -> None
     fast["decode_batch_scale"], slow["decode_batch_scale"] = [(1, 1.1), (2, 1.3)], [(1, 1.0), (2, 1.1), (4, 0.9)]
     scale = engine_fit_around("bench", fast, slow, serving)["decode_batch_scale"]
     assert [b for b, _ in scale] == [1, 2] and [s for _, s in scale] == pytest.approx([1.05, 1.2])
-
-
-def test_the_request_overhead_is_fitted_again_on_each_validated_fleet(monkeypatch: pytest.MonkeyPatch,
-                                                                     tmp_path: Path) -> None:
-    """overhead_at: lone hits measured on the fleet's serve that took 12 ms of request overhead,
-    with the engine fitted just after them 30% slower than the calibration's: the profile it
-    returns holds 12 / 1.3 ms (the calibration's units), which a try at that speed scales back
-    to 12; the fleet's own shape is the one simulated."""
-    import _sim_validate
-
-    import cluster.serving_costs
-    from sim.corun import hit_ttfts
-    from sim.hardware import DeviceProfile, load_device
-
-    serving = load_device("cpu-2core").model_copy(update={"request_overhead_s": 0.03, "host_cores": 2.0}).model_dump()
-    slower = {**serving, "peak_flops": serving["peak_flops"] / 1.3, "mem_bw": serving["mem_bw"] / 1.3,
-              "step_overhead_s": serving["step_overhead_s"] * 1.3}
-    fleet = Fleet("2mixed", "colocated", workers_colocated=2)
-    scene = lone_scene(fleet, "bench")
-    assert (scene.mode, scene.prefill, scene.decode, scene.width) == ("colocated", 2, 0, 0)
-    now = engine_fit_around("bench", slower, slower, serving) | {"request_overhead_s": 0.012}
-    made = hit_ttfts(DeviceProfile.model_validate(now), scene)
-    seen_urls = []
-
-    def lone(url, got_scene, rounds):
-        seen_urls.append(url)
-        assert got_scene == scene and rounds == 2
-        return made
-
-    monkeypatch.setattr(cluster.serving_costs, "measure_lone_hits", lone)
-    monkeypatch.setattr(_sim_validate, "calibrate", lambda model, threads, out: slower)
-    out, engine, seen = overhead_at(fleet, "bench", "http://serve", serving, tmp_path / "before.json", rounds=2)
-    assert seen_urls == ["http://serve"] and engine is slower
-    assert out["request_overhead_s"] == pytest.approx(0.012 / 1.3, abs=0.001)
-    assert engine_fit_around("bench", slower, slower, out)["request_overhead_s"] == pytest.approx(0.012, abs=0.001)
-    assert {k: v for k, v in out.items() if k != "request_overhead_s"} == {
-        k: v for k, v in serving.items() if k != "request_overhead_s"}
-    assert seen["calibrated_request_overhead_s"] == 0.03 and seen["engine_speed"] == pytest.approx(1.3)
 
 
 def test_a_fleets_tries_are_compared_by_each_figures_median() -> None:
