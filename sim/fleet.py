@@ -102,11 +102,11 @@ class Fleet:
         # co-run waits are a disaggregated fleet's (a hit's way through a decode worker busy with
         # its steps); the ceiling, the threads each streamed token wakes, is every fleet's
         # (sim/cpu_host.py).
-        disaggregated = cfg.mode == "disaggregated"
-        self.cpu = CpuHost(self.device.host_cores, self.device.corun_slowdown,
-                           self.device.corun_wait_s if disaggregated else 0.0, self.device.decode_corun_slowdown,
-                           self.device.corun_wait_per_answer_s if disaggregated else 0.0,
-                           self.device.corun_span_s) if self.device.host_cores else None
+        d = self.device
+        waits = {"corun_wait_s": d.corun_wait_s, "corun_wait_per_answer_s": d.corun_wait_per_answer_s}
+        self.cpu = CpuHost(d.host_cores, corun_slowdown=d.corun_slowdown, corun_span_s=d.corun_span_s,
+                           decode_corun_slowdown=d.decode_corun_slowdown,
+                           **(waits if cfg.mode == "disaggregated" else {})) if d.host_cores else None
 
     def _worker(self, worker_id: str, role: str, tp: int) -> SimWorker:
         device = self.device
