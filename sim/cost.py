@@ -121,11 +121,17 @@ class Roofline:
         t = max(self.compute_s(w), self.memory_s(w)) + d.step_overhead_s + d.seq_overhead_s * w.sampled
         if w.tokens == w.sampled and w.ctx_pairs == w.dec_pairs:  # every sequence adds one token: a decode
             t *= d.decode_scale(w.tokens)
-        t += d.worker_step_overhead_s + d.token_overhead_s * w.sampled
+        t += self.serving_s(w)
         if self.tp > 1:  # two ring all-reduces of the activations per layer
             size = w.tokens * self.shape.hidden * d.dtype_bytes * 2 * (self.tp - 1) / self.tp
             t += 2 * self.shape.layers * self.tp_link.transfer_s(size)
         return t
+
+    def serving_s(self, w: StepWork) -> float:
+        """Of step_s, the served worker's part (its loop, the actor, each streamed chunk's way
+        out), not the engine's: a served step's own timing holds none of it (engine/step_log.py)."""
+        d = self.device
+        return d.worker_step_overhead_s + d.token_overhead_s * w.sampled if w.tokens else 0.0
 
     def decode_steps_s(self, batch: int, context: int, steps: int) -> list[float]:
         """step_s of `steps` consecutive decode steps (each adds a token to every sequence).

@@ -172,3 +172,22 @@ def test_step_speed_tells_slow_steps_from_steps_that_waited() -> None:
     assert speed["prompt"]["wall_vs_simulated"] == pytest.approx(1.2) and \
         speed["prompt"]["cpu_vs_alone"] == pytest.approx(1.2)
     assert step_speed({}, simulated) is None  # a server that does not count its steps
+
+
+def test_simulated_steps_record_the_engine_alone_as_their_cpu_time(tmp_path: Path) -> None:
+    """A served step's CPU time is its engine thread's: none of the worker's serving terms (its
+    loop, each chunk's way out) are in it, so the simulated steps record the engine's step alone,
+    and cpu_vs_alone compares like with like. The serving terms are in the wall time only."""
+    from sim.hardware import load_device
+
+    fleet = Fleet("1mixed", "colocated", workers_colocated=1)
+    runs = {}
+    for name, terms in (("bare", {}), ("served", {"worker_step_overhead_s": 0.002, "token_overhead_s": 0.005})):
+        profile = tmp_path / f"{name}.json"
+        profile.write_text(load_device("cpu-2core").model_copy(update=terms).model_dump_json())
+        runs[name] = simulate_load(fleet, Load(rates=(1.0,), num_groups=1, prompts_per_group=1, system_prompt_len=32,
+                                               question_len=8, output_len=6), "tiny", profile, 256, {})[0]
+    decode = {name: r["server_steps"]["mixed-0"]["decode"]["1"] for name, r in runs.items()}
+    assert decode["bare"]["steps"] == decode["served"]["steps"] == 5
+    assert decode["served"]["cpu_s"] == pytest.approx(decode["bare"]["cpu_s"])
+    assert decode["served"]["wall_s"] == pytest.approx(decode["bare"]["wall_s"] + 5 * (0.002 + 0.005))
