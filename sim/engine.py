@@ -57,7 +57,7 @@ class SimEngine:
         # virtual clock (what sharing a host's cores made of it), CPU = the cost model's engine
         # step alone (not the served worker's part of it: the served engine's CPU holds none).
         self.step_log = StepLog()
-        self.serving_s = 0.0  # of the last planned step's time, the served worker's part
+        self.planned_serving_s = 0.0  # of the last planned step's time, the served worker's part
 
     def attach_host(self, capacity_blocks: int, block_bytes: int, link: LinkProfile, disk_blocks: int = 0,
                     disk_link: LinkProfile | None = None) -> None:
@@ -126,7 +126,7 @@ class SimEngine:
             return batch, 0.0
         work = StepWork.of((s.num_new_tokens, s.seq.num_computed, s.samples) for s in batch)
         self._loads_s = self.host.take_pending_s() if self.host is not None else 0.0  # blocks brought back
-        self.serving_s = self.cost.serving_s(work)
+        self.planned_serving_s = self.cost.serving_s(work)
         return batch, self.cost.step_s(work) + self._loads_s
 
     def steady_steps(self, batch: list[ScheduledSeq], cap: int) -> list[float]:

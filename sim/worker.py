@@ -107,7 +107,7 @@ class SimWorker:
                 self.busy_s += took
             # The engine's own step alone, as a served step times itself (a steady batch's repeats
             # sample the same sequences).
-            alone -= self.engine.serving_s * repeats
+            alone -= self.engine.planned_serving_s * repeats
             self.engine.step_log.record(any(prompt), len(batch) - sum(prompt), took, alone, repeats)
             self.steps += repeats
             for seq in self.engine.finish(batch, repeats):
