@@ -21,7 +21,12 @@ in the same benchmark run (benchmarks/_sim_validate.py has the pieces).
    and the steadiest REPEATS count. `sim_error_<figure>` is the largest relative error, over
    those runs, of the simulated figure's median over the tries against the measured one's,
    for p50 and p90 TTFT, mean TPOT, request throughput and the prefix hit ratio (each try's
-   own errors are in raw.validation[].tries).
+   own errors are in raw.validation[].tries). A diagnostic beside them, not in the ratios:
+   each try simulated again with its decode steps at the speed its served decode steps ran at
+   against its profile's fits (`try_decode_speed`, step_speed's decode `cpu_vs_alone`, the
+   median over its rates), and the same errors of that (`errors_at_try_decode_speed`): what of
+   a miss the machine's speed during the try explains (docs/SIMULATOR.md, "The served steps'
+   speed, try by try").
 3. Advisor: `brigade plan` (simulated, on the calibrated profile, with ADVISOR_HEADROOM) picks
    the cheapest fleet of at most 3 workers whose requests meet ADVISOR_SLO at 90% under a
    bursty load (gamma arrivals, burstiness 0.25); that load is then measured on a sweep of 4
@@ -52,6 +57,7 @@ from _sim_validate import (
     Fleet,
     Load,
     StealMeter,
+    at_decode_speed,
     bench,
     calibrate,
     calibrate_here,
@@ -62,6 +68,7 @@ from _sim_validate import (
     serve,
     simulate_load,
     step_speed,
+    try_decode_speed,
     ttft_samples,
 )
 
@@ -210,7 +217,10 @@ def run(out_dir: Path, quick: bool, parts: set[str]) -> tuple[dict, dict]:
         for r in runs:  # where a miss comes from: the steps' speed, or the queueing around them
             speed = "; ".join(f"{kind} steps {v['wall_vs_simulated']:.2f}x simulated, CPU {v['cpu_vs_alone']:.2f}x "
                               "alone" for kind, v in r["step_speed"].items()) or "steps not counted"
-            print(f"  {r['fleet']} at {r['rate']:g} req/s: {speed}", flush=True)
+            at = ", ".join(f"{k} {'-' if v is None else f'{v:.3f}'}" for k, v in r["errors_at_try_decode_speed"].items()
+                           if k in ("ttft_p50", "ttft_p90", "tpot_mean"))
+            print(f"  {r['fleet']} at {r['rate']:g} req/s: {speed}; errors at each try's decode speed: {at}",
+                  flush=True)
         raw["fleet_profiles"] = {name: [json.loads(p.read_text()) for p, _ in kept] for name, kept in profiles.items()}
         for key in ratios:
             if key.startswith("sim_error_"):
@@ -252,14 +262,24 @@ def compare(validation, measured: dict, profiles: dict[str, list[tuple[Path, int
     for fleet, load in validation:
         if (fleet.name, "validate") not in measured or fleet.name not in profiles:
             continue
+        kept = list(zip(measured[(fleet.name, "validate")], profiles[fleet.name]))
         tries = [(m, simulate_load(fleet, replace(load, seed=load.seed + offset), MODEL, p, NUM_BLOCKS,
                                    parse_slo(SLO)))
-                 for m, (p, offset) in zip(measured[(fleet.name, "validate")], profiles[fleet.name])]
+                 for m, (p, offset) in kept]
+        # Each try again at the decode speed its served steps ran at (a diagnostic: how much of
+        # a miss the machine's speed during the try explains; the figures above are the model's).
+        factors = [try_decode_speed(m, s) for m, s in tries]
+        at_speed = [simulate_load(fleet, replace(load, seed=load.seed + offset), MODEL,
+                                  at_decode_speed(p, f, p.with_name(f"{p.stem}-at-try-speed.json")), NUM_BLOCKS,
+                                  parse_slo(SLO)) if f else s
+                    for (_, (p, offset)), f, (_, s) in zip(kept, factors, tries)]
         for i, rate in enumerate(load.rates):
             ms, ss = [m[i] for m, _ in tries], [s[i] for _, s in tries]
             m_med, s_med = _median_figures(ms), _median_figures(ss)
             speeds = [step_speed(m, s) for m, s in zip(ms, ss)]
             runs.append({"fleet": fleet.name, "rate": rate, "errors": errors(m_med, s_med),
+                         "errors_at_try_decode_speed": errors(m_med, _median_figures([a[i] for a in at_speed])),
+                         "try_decode_speed": factors,
                          "measured": m_med, "simulated": s_med, "step_speed": _median_speeds(speeds),
                          "tries": [{"errors": errors(m, s), "measured": _figures(m), "simulated": _figures(s),
                                     "step_speed": speed} for m, s, speed in zip(ms, ss, speeds)],

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -353,6 +354,26 @@ def step_speed(measured: dict, simulated: dict) -> dict | None:
                      "cpu_vs_alone": total["served_cpu_ms"] / total["alone_ms"],
                      **({"by_batch": rows} if kind == "decode" else {"steps": rows["all"]})}
     return out or None
+
+
+def try_decode_speed(measured: list[dict], simulated: list[dict]) -> float | None:
+    """How much slower a try's served decode steps computed than its profile's engine fits give
+    them: the median over the try's runs (one per rate) of step_speed's decode `cpu_vs_alone`;
+    None where the server counted no decode steps."""
+    speeds = [step_speed(m, s) for m, s in zip(measured, simulated)]
+    vals = [s["decode"]["cpu_vs_alone"] for s in speeds if s and "decode" in s]
+    return statistics.median(vals) if vals else None
+
+
+def at_decode_speed(profile: Path, factor: float, out: Path) -> Path:
+    """`profile` with every decode step's engine part `factor` times as long (its decode batch
+    scales multiplied), written to `out`: a try re-simulated at the decode speed its served steps
+    ran at, to tell the misses the machine's speed during the try explains from the model's."""
+    prof = json.loads(profile.read_text())
+    scales = prof.get("decode_batch_scale") or [(1, 1.0)]
+    prof["decode_batch_scale"] = [(b, v * factor) for b, v in scales]
+    out.write_text(json.dumps(prof, indent=1))
+    return out
 
 
 def _pooled(by_batch: dict[str, dict]) -> dict[str, dict]:

@@ -14,12 +14,14 @@ from _sim_validate import (  # noqa: E402
     SERVING_TIMES,
     Fleet,
     Load,
+    at_decode_speed,
     engine_drift,
     engine_fit_around,
     errors,
     fleet_config,
     simulate_load,
     step_speed,
+    try_decode_speed,
 )
 
 from cluster.sim_bridge import from_loadtest  # noqa: E402
@@ -191,3 +193,33 @@ def test_simulated_steps_record_the_engine_alone_as_their_cpu_time(tmp_path: Pat
     assert decode["bare"]["steps"] == decode["served"]["steps"] == 5
     assert decode["served"]["cpu_s"] == pytest.approx(decode["bare"]["cpu_s"])
     assert decode["served"]["wall_s"] == pytest.approx(decode["bare"]["wall_s"] + 5 * (0.002 + 0.005))
+
+
+def test_a_try_is_simulated_again_at_the_decode_speed_its_served_steps_ran_at(tmp_path: Path) -> None:
+    """try_decode_speed: the median over a try's runs of its served decode steps' CPU over the
+    simulated steps' alone; at_decode_speed: the profile with every decode step's engine part
+    that many times as long, and nothing else changed."""
+    from sim.cost import Roofline, StepWork
+    from sim.hardware import DeviceProfile, load_device
+    from sim.shapes import load_shape
+
+    def run(decode_cpu_s: float) -> dict:
+        return {"server_steps": {"decode-0": {"decode": {"1": {"steps": 10, "wall_s": 0.3, "cpu_s": decode_cpu_s}}}}}
+
+    simulated = [run(0.2)] * 3
+    assert try_decode_speed([run(0.22), run(0.3), run(0.24)], simulated) == pytest.approx(1.2)
+    assert try_decode_speed([{}, {}, {}], simulated) is None  # a server that counted no steps
+
+    base = load_device("cpu-2core").model_copy(update={"token_overhead_s": 0.002,
+                                                          "decode_batch_scale": ((1, 1.1), (4, 0.9))})
+    for profile in (base, base.model_copy(update={"decode_batch_scale": ()})):
+        path = tmp_path / "p.json"
+        path.write_text(profile.model_dump_json())
+        slower = DeviceProfile.model_validate_json(at_decode_speed(path, 1.2, tmp_path / "q.json").read_text())
+        plain, r = Roofline(load_shape("bench"), profile), Roofline(load_shape("bench"), slower)
+        decode = StepWork.of([(1, 300, True)] * 2)
+        served = r.serving_s(decode)
+        assert r.step_s(decode) - served == pytest.approx((plain.step_s(decode) - served) * 1.2)
+        prompt = StepWork.of([(64, 0, True)])
+        assert r.step_s(prompt) == pytest.approx(plain.step_s(prompt))
+        assert slower.model_copy(update={"decode_batch_scale": profile.decode_batch_scale}) == profile
