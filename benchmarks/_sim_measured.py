@@ -256,27 +256,23 @@ def compare(validation, measured: dict, profiles: dict[str, list[tuple[Path, int
     """Each validated run (fleet, rate): every kept try simulated on its own profile and with its
     own prompts (the load's seed + the try's offset), and the errors of the simulated figures'
     medians over the tries against the measured ones'."""
-    from loadtest.metrics import parse_slo
-
     runs = []
     for fleet, load in validation:
         if (fleet.name, "validate") not in measured or fleet.name not in profiles:
             continue
         kept = list(zip(measured[(fleet.name, "validate")], profiles[fleet.name]))
-        tries = [(m, simulate_load(fleet, replace(load, seed=load.seed + offset), MODEL, p, NUM_BLOCKS,
-                                   parse_slo(SLO)))
-                 for m, (p, offset) in kept]
+        tries = [(m, _simulate_try(fleet, load, p, offset)) for m, (p, offset) in kept]
+        by_try = [[step_speed(a, b) for a, b in zip(m, s)] for m, s in tries]  # each try's, per rate
         # Each try again at the decode speed its served steps ran at (a diagnostic: how much of
         # a miss the machine's speed during the try explains; the figures above are the model's).
-        factors = [try_decode_speed(m, s) for m, s in tries]
-        at_speed = [simulate_load(fleet, replace(load, seed=load.seed + offset), MODEL,
-                                  at_decode_speed(p, f, p.with_name(f"{p.stem}-at-try-speed.json")), NUM_BLOCKS,
-                                  parse_slo(SLO)) if f else s
+        factors = [try_decode_speed(speeds) for speeds in by_try]
+        at_speed = [_simulate_try(fleet, load, at_decode_speed(p, f, p.with_name(f"{p.stem}-at-try-speed.json")),
+                                  offset) if f else s
                     for (_, (p, offset)), f, (_, s) in zip(kept, factors, tries)]
         for i, rate in enumerate(load.rates):
             ms, ss = [m[i] for m, _ in tries], [s[i] for _, s in tries]
             m_med, s_med = _median_figures(ms), _median_figures(ss)
-            speeds = [step_speed(m, s) for m, s in zip(ms, ss)]
+            speeds = [t[i] for t in by_try]
             runs.append({"fleet": fleet.name, "rate": rate, "errors": errors(m_med, s_med),
                          "errors_at_try_decode_speed": errors(m_med, _median_figures([a[i] for a in at_speed])),
                          "try_decode_speed": factors,
@@ -286,6 +282,13 @@ def compare(validation, measured: dict, profiles: dict[str, list[tuple[Path, int
                          "ttft_ms": {"measured": sorted(t for m in ms for t in ttft_samples(m)),
                                      "simulated": sorted(t for s in ss for t in ttft_samples(s))}})
     return runs
+
+
+def _simulate_try(fleet: Fleet, load: Load, profile: Path, offset: int) -> list[dict]:
+    """A try's loads (seeds offset as the try's were) simulated on `profile`, one run per rate."""
+    from loadtest.metrics import parse_slo
+
+    return simulate_load(fleet, replace(load, seed=load.seed + offset), MODEL, profile, NUM_BLOCKS, parse_slo(SLO))
 
 
 def _median_speeds(speeds: list[dict | None]) -> dict:

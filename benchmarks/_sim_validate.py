@@ -356,11 +356,10 @@ def step_speed(measured: dict, simulated: dict) -> dict | None:
     return out or None
 
 
-def try_decode_speed(measured: list[dict], simulated: list[dict]) -> float | None:
+def try_decode_speed(speeds: list[dict | None]) -> float | None:
     """How much slower a try's served decode steps computed than its profile's engine fits give
-    them: the median over the try's runs (one per rate) of step_speed's decode `cpu_vs_alone`;
-    None where the server counted no decode steps."""
-    speeds = [step_speed(m, s) for m, s in zip(measured, simulated)]
+    them: the median over the try's runs (one per rate) of their step_speed's decode
+    `cpu_vs_alone`; None where the server counted no decode steps."""
     vals = [s["decode"]["cpu_vs_alone"] for s in speeds if s and "decode" in s]
     return statistics.median(vals) if vals else None
 

@@ -206,9 +206,9 @@ def test_a_try_is_simulated_again_at_the_decode_speed_its_served_steps_ran_at(tm
     def run(decode_cpu_s: float) -> dict:
         return {"server_steps": {"decode-0": {"decode": {"1": {"steps": 10, "wall_s": 0.3, "cpu_s": decode_cpu_s}}}}}
 
-    simulated = [run(0.2)] * 3
-    assert try_decode_speed([run(0.22), run(0.3), run(0.24)], simulated) == pytest.approx(1.2)
-    assert try_decode_speed([{}, {}, {}], simulated) is None  # a server that counted no steps
+    speeds = [step_speed(run(cpu_s), run(0.2)) for cpu_s in (0.22, 0.3, 0.24)]
+    assert try_decode_speed(speeds) == pytest.approx(1.2)
+    assert try_decode_speed([step_speed({}, run(0.2))] * 3) is None  # a server that counted no steps
 
     base = load_device("cpu-2core").model_copy(update={"token_overhead_s": 0.002,
                                                           "decode_batch_scale": ((1, 1.1), (4, 0.9))})
