@@ -121,13 +121,30 @@ def _serving_cpu_s(since: CpuSample, until: CpuSample) -> float:
     return (until.busy_s - since.busy_s) - workers
 
 
+# The idle seconds after which calibrate --url times a step and a request (DeviceProfile.cold_step_s):
+# on the AVX-512 Xeon here a decode step grew 2.8 ms after 50 ms idle and 10 ms after 2 s.
+COLD_IDLE_S = (0.1, 0.4, 1.0, 2.0)
+
+
+def cold_tables(engine_s: dict[float, float], served_s: dict[float, float]
+                ) -> tuple[tuple[tuple[float, float], ...], tuple[tuple[float, float], ...]]:
+    """DeviceProfile.cold_step_s and cold_request_s from an engine step's and a served request's
+    times after each idle (0: right after the last): the step's growth, and the request's beyond
+    it (its step is the engine's too), each at least 0."""
+    idles = sorted(i for i in engine_s if i > 0 and i in served_s)
+    step = {i: max(0.0, engine_s[i] - engine_s[0.0]) for i in idles}
+    return (tuple((i, step[i]) for i in idles),
+            tuple((i, max(0.0, served_s[i] - served_s[0.0] - step[i])) for i in idles))
+
+
 def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggregated: bool = False,
                     requests: int = 8, short_len: int = SHORT_LEN, long_len: int = 516,
                     decode_tokens: int = DECODE_TOKENS,
                     streams: int = 4, rounds: int = 8, stream_rounds: int = 4, idle_s: float = 3.0,
                     block_size: int = 16, corun_width: int = 1, corun_wide_width: int = 3,
                     corun_phases: int = HitScene.phases,
-                    receive_requests: int = 3, timer: StepTimer | None = None) -> tuple[DeviceProfile, dict]:
+                    receive_requests: int = 3, cold_rounds: int = 5,
+                    timer: StepTimer | None = None) -> tuple[DeviceProfile, dict]:
     """The serving path's costs on a running `brigade serve` at `url` (of the preset the profile
     was fitted on), through loadtest's HTTP target as `brigade bench` sends requests; distinct
     prompts (no prefix hit) but where said. A colocated serve gives
@@ -179,6 +196,11 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
     while the hits run against before the first (sim/corun.py's fit_decode_corun).
     request_jitter_s: the spread of the short lone hits' TTFTs about their median (sim/corun.py's
     jitter_quantiles).
+    With `timer` (a CPU host), the colocated serve also gives cold_step_s and cold_request_s:
+    the engine's decode step timed in this process after each idle of COLD_IDLE_S against one
+    right after another, and a cached `long_len`-token prompt's TTFT on the serve likewise; the
+    request's growth beyond the step's is the serving path's (cold_tables). `cold_rounds`
+    interleaved rounds of each (about 3.5 s of idle a round, twice).
     `timer` (sim/step_timer.py, the engine of the same preset and threads as a served worker)
     times the engine's own step in this process just before each streaming round and each TTFT
     measurement, and what the serve adds is measured against that: this machine's speed drifts
@@ -272,6 +294,35 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
             except ValueError:  # the answer ended before the hits (a fast model): nothing to time
                 pace = None
             return ttfts, pace
+        finally:
+            await t.aclose()
+
+    def engine_after_idle() -> dict[float, float]:
+        """The engine's decode step (one sequence of `long_len` tokens) after each idle in
+        COLD_IDLE_S and right after another step (0): medians over `cold_rounds` interleaved rounds."""
+        seen_s: dict[float, list[float]] = {idle: [] for idle in (0.0, *COLD_IDLE_S)}
+        for _ in range(cold_rounds):
+            for idle in COLD_IDLE_S:
+                time.sleep(idle)
+                seen_s[idle].append(timer.decode(1, 1, long_len)[0])
+                seen_s[0.0].append(timer.decode(1, 1, long_len)[0])
+        return {idle: statistics.median(v) for idle, v in seen_s.items()}
+
+    async def served_after_idle() -> dict[float, float]:
+        """The TTFT of a one-token answer to a cached `long_len`-token prompt sent after each
+        idle in COLD_IDLE_S and right after the last answer (0), as engine_after_idle."""
+        t = target()
+        same = next(ids)
+        seen_s: dict[float, list[float]] = {idle: [] for idle in (0.0, *COLD_IDLE_S)}
+        try:
+            for _ in range(2):  # warm the path up and cache the prompt
+                await one(t, long_len, 1, same)
+            for _ in range(cold_rounds):
+                for idle in COLD_IDLE_S:
+                    await asyncio.sleep(idle)
+                    seen_s[idle].append((await one(t, long_len, 1, same))[0])
+                    seen_s[0.0].append((await one(t, long_len, 1, same))[0])
+            return {idle: statistics.median(v) for idle, v in seen_s.items()}
         finally:
             await t.aclose()
 
@@ -417,4 +468,8 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
     if profile.host_cores is None:  # an engine fit sets it (a core per torch thread of a step)
         update["host_cores"] = float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                      else os.cpu_count() or 1)
+    if timer is not None:  # a CPU host: what its idle costs the next step and the next request
+        engine_s, served_s = engine_after_idle(), asyncio.run(served_after_idle())
+        update["cold_step_s"], update["cold_request_s"] = cold_tables(engine_s, served_s)
+        seen |= {"decode_step_after_idle_s": engine_s, "ttft_after_idle_s": served_s}
     return profile.model_copy(update=update), seen | {"steal_share": stolen.share()}

@@ -230,6 +230,16 @@ def _span(span_s: float | None) -> str:
     return "" if span_s is None else f" for its first {span_s * 1000:.0f} ms"
 
 
+def _after_idle(profile) -> str:
+    """What idle costs the next step and request (DeviceProfile.cold_step_s, cold_request_s)."""
+    if not profile.cold_step_s and not profile.cold_request_s:
+        return ""
+    ms = lambda table: "/".join(f"{e * 1000:.1f}" for _, e in table) or "0"  # noqa: E731
+    idles = "/".join(f"{i:g}" for i, _ in profile.cold_step_s or profile.cold_request_s)
+    return (f"; after {idles} s idle, an engine step takes {ms(profile.cold_step_s)} ms more and a request's "
+            f"serving path {ms(profile.cold_request_s)} ms more")
+
+
 def _spread_ms(quantiles: tuple[float, ...]) -> str:
     """request_jitter_s's range about the median, in ms."""
     if not quantiles:
@@ -290,7 +300,8 @@ def _calibrate(args: argparse.Namespace) -> int:
               f"{profile.request_overhead_per_token_s * 1e6:.1f} us per prompt token, "
               f"a served worker's step {profile.worker_step_overhead_s * 1000:.2f} ms + "
               f"{profile.token_overhead_s * 1000:.2f} ms per streamed token beyond the engine's, and "
-              f"{profile.stream_cpu_s * 1000:.2f} ms of CPU beside it per streamed token ({seen})")
+              f"{profile.stream_cpu_s * 1000:.2f} ms of CPU beside it per streamed token"
+              f"{_after_idle(profile)} ({seen})")
         _warn_stolen(seen["steal_share"], "the colocated serve's measurement")
     if args.disagg_url:
         profile, seen = measure_serving(args.disagg_url, profile, shape, disaggregated=True, timer=timer)

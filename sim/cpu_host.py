@@ -102,10 +102,15 @@ class CpuHost:
         self._since = 0.0  # when the jobs' left_s were last brought up to date
         self._timer: asyncio.TimerHandle | None = None
         self._background: _Job | None = None
+        self._idle_since = float("-inf")  # when the last job left (-inf: never busy; None: busy now)
 
     @property
     def running(self) -> int:
         return len(self._jobs)
+
+    def idle_s(self, now: float) -> float:
+        """How long no job has run on the cores (0 while one does; inf before any ran)."""
+        return 0.0 if self._idle_since is None else now - self._idle_since
 
     def rate(self) -> float:
         """How fast each running job advances now (1: a core of its own)."""
@@ -202,11 +207,15 @@ class CpuHost:
             for j in done:
                 if not j.done.done():
                     j.done.set_result(None)
-        if self._jobs:
-            first = min(j.left_s / self._rate(j) for j in self._jobs)
-            # A ceiling that ends before then changes the rates: plan again at its end.
-            first = min([first] + [self._span_left(j) for j in self._jobs if self._capped(j)])
-            self._timer = loop.call_at(self._since + first, self._tick, loop)
+        if not self._jobs:
+            if self._idle_since is None:
+                self._idle_since = self._since
+            return
+        self._idle_since = None
+        first = min(j.left_s / self._rate(j) for j in self._jobs)
+        # A ceiling that ends before then changes the rates: plan again at its end.
+        first = min([first] + [self._span_left(j) for j in self._jobs if self._capped(j)])
+        self._timer = loop.call_at(self._since + first, self._tick, loop)
 
     def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
         self._timer = None

@@ -130,6 +130,7 @@ class Fleet:
                          tp_size=tp, cpu=self.cpu,
                          kv_receive_cpu_per_token_s=device.kv_receive_cpu_per_token_s if role == "decode" else 0.0,
                          admit_overhead_s=device.decode_admit_overhead_s if role == "decode" else 0.0,
+                         cold_step=device.cold_step if device.cold_step_s else None,
                          ).start()
 
     def request_overhead_s(self, prompt_tokens: int) -> float:
@@ -151,7 +152,12 @@ class Fleet:
             await self.router.add_worker(w)
 
     def serving_path(self, prompt_tokens: int) -> ServingPath:
-        return ServingPath(self.request_overhead_s(prompt_tokens), self.device.stream_cpu_s, self.cpu,
+        """A request's serving path, sent now: on a CPU host whose cores idled, slower by the
+        profile's cold_request (the door's, the router's and the actors' working sets evicted)."""
+        overhead = self.request_overhead_s(prompt_tokens)
+        if self.cpu is not None and self.device.cold_request_s:
+            overhead += self.device.cold_request(self.cpu.idle_s(asyncio.get_running_loop().time()))
+        return ServingPath(overhead, self.device.stream_cpu_s, self.cpu,
                            self.device.jitter_s(self._jitter.random()))
 
 

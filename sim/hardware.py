@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 DATA = Path(__file__).parent / "data"
 
@@ -116,6 +116,18 @@ class DeviceProfile(_Frozen):
     # spread over 35-50 ms, and a run's p50 TTFT, which falls where the lone hits give way to
     # those beside a stream, sat at the lone hits' median instead of their upper part.
     request_jitter_s: tuple[float, ...] = ()
+    # A CPU host shared with other tenants: what was idle finds its working set gone from the
+    # caches, so its first work is slower. (idle seconds, extra seconds) pairs, linear between,
+    # from 0 at no idle, the last pair's beyond; () none (the GPUs). `cold_step_s`: an engine
+    # step whose worker last stepped that long ago (the bench preset's decode step here took 14.3
+    # ms back to back, 19.1 after 0.4 s idle and 24.4 after 2 s: its weights re-read from memory
+    # the neighbours' work evicted them to); `cold_request_s`: a request that finds the host's
+    # cores idle that long, beyond its step's (the door, the router, the actor calls: a cached
+    # prompt's TTFT on a served worker was 29 ms back to back, 40-44 after 0.3-0.4 s idle).
+    # calibrate --url times both (cluster/serving_costs.py); the calls it times otherwise run back
+    # to back, and without them a colocated fleet's lone hits were simulated 7 ms fast.
+    cold_step_s: tuple[tuple[float, float], ...] = ()
+    cold_request_s: tuple[tuple[float, float], ...] = ()
     dtype_bytes: int = Field(2, ge=1)  # weights and KV
     intra_link: str = "nvlink4"  # between the ranks of one TP group
     inter_link: str = "rdma-ndr400"  # between a prefill and a decode worker
@@ -131,6 +143,22 @@ class DeviceProfile(_Frozen):
             if batch <= b1:
                 return s0 + (s1 - s0) * (batch - b0) / (b1 - b0)
         return pairs[-1][1]
+
+    @field_validator("cold_step_s", "cold_request_s")
+    @classmethod
+    def _idles_rise(cls, pairs: tuple[tuple[float, float], ...]) -> tuple[tuple[float, float], ...]:
+        idles = [idle for idle, _ in pairs]
+        if any(b <= a for a, b in zip([0.0, *idles], idles)) or any(extra < 0 for _, extra in pairs):
+            raise ValueError(f"(idle seconds, extra seconds) pairs with rising idles > 0 and extras >= 0, not {pairs}")
+        return pairs
+
+    def cold_step(self, idle_s: float) -> float:
+        """The extra seconds of an engine step whose worker idled `idle_s` (cold_step_s)."""
+        return _after_idle(self.cold_step_s, idle_s)
+
+    def cold_request(self, idle_s: float) -> float:
+        """The extra seconds of a request's serving path after the host idled `idle_s` (cold_request_s)."""
+        return _after_idle(self.cold_request_s, idle_s)
 
     def jitter_s(self, u: float) -> float:
         """request_jitter_s's value at probability `u` (in [0, 1]), linear between quantiles."""
@@ -149,10 +177,27 @@ class DeviceProfile(_Frozen):
             raise ValueError(f"a slowdown is >= 1, not {factor}")
         if factor == 1:
             return self
-        times = {k: tuple(x * factor for x in v) if isinstance(v, tuple) else v * factor
+        times = {k: tuple(_times(x, factor) for x in v) if isinstance(v, tuple) else v * factor
                  for k, v in self if k.endswith("_s") and v is not None}
         return self.model_copy(update={"peak_flops": self.peak_flops / factor, "mem_bw": self.mem_bw / factor,
                                        **times})
+
+
+def _times(x: float | tuple[float, float], factor: float) -> float | tuple[float, float]:
+    """A time `factor` times as long; of an (idle, extra) pair, the extra."""
+    return (x[0], x[1] * factor) if isinstance(x, tuple) else x * factor
+
+
+def _after_idle(pairs: tuple[tuple[float, float], ...], idle_s: float) -> float:
+    """(idle, extra) pairs at `idle_s`: 0 at no idle, linear between, the last beyond."""
+    if not pairs or idle_s <= 0:
+        return 0.0
+    prev = (0.0, 0.0)
+    for idle, extra in pairs:
+        if idle_s <= idle:
+            return prev[1] + (extra - prev[1]) * (idle_s - prev[0]) / (idle - prev[0])
+        prev = (idle, extra)
+    return prev[1]
 
 
 def _catalog() -> dict:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from engine.messages import Aborted, Chunk, GenerateRequest, PrefillResult, Timing, WorkerHealth
@@ -53,13 +53,17 @@ class SimWorker:
     def __init__(self, worker_id: str, role: str, engine: SimEngine, network: Network, link: LinkProfile,
                  model_id: str, kv_bytes_per_token: int, index: MemoryIndex | None = None,
                  publish_delay_s: float = 0.05, stream_every: int = 16, tp_size: int = 1, cpu: CpuHost | None = None,
-                 kv_receive_cpu_per_token_s: float = 0.0, admit_overhead_s: float = 0.0):
+                 kv_receive_cpu_per_token_s: float = 0.0, admit_overhead_s: float = 0.0,
+                 cold_step: Callable[[float], float] | None = None):
         self.worker_id, self.role, self.engine, self.network, self.link = worker_id, role, engine, network, link
         self.model_id, self.kv_bytes_per_token = model_id, kv_bytes_per_token
         self.index, self.publish_delay_s = index, publish_delay_s
         self.stream_every, self.tp_size, self.cpu = max(1, stream_every), tp_size, cpu
         self.kv_receive_cpu_per_token_s = kv_receive_cpu_per_token_s  # a decode worker's, on `cpu`
         self.admit_overhead_s = admit_overhead_s  # a decode worker's, before each pull
+        # On a CPU host, a step's extra seconds after its worker idled so long (DeviceProfile.cold_step)
+        self.cold_step = cold_step
+        self._stepped_at = float("-inf")  # when its last step ended
         self.busy_s = 0.0
         self.steps = 0
         self.transferred_bytes = 0
@@ -99,11 +103,14 @@ class SimWorker:
             else:
                 repeats = 1
                 if self.cpu is not None:
+                    if self.cold_step is not None:  # its weights, evicted while it idled, read again
+                        seconds += self.cold_step(now - self._stepped_at)
                     await self.cpu.run(seconds, step=True, prompt=any(prompt), decode=len(batch) - sum(prompt),
                                        receiving=self.role == "decode")
                 else:
                     await asyncio.sleep(seconds)
                 took, alone = loop.time() - now, seconds
+                self._stepped_at = loop.time()
                 self.busy_s += took
             # The engine's own step alone, as a served step times itself (a steady batch's repeats
             # sample the same sequences).

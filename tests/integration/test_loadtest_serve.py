@@ -74,7 +74,7 @@ def test_sim_calibrate_measures_the_serving_path_of_brigade_serve(base_url: str)
     """`brigade sim calibrate --url` then `--disagg-url`'s measurement (cluster/serving_costs.py)
     against the real serve, kept short: every term it sets comes back measured, each within
     what it was measured from, and the disaggregated pass leaves the colocated terms alone."""
-    from cluster.serving_costs import measure_serving, step_timer
+    from cluster.serving_costs import COLD_IDLE_S, measure_serving, step_timer
     from engine.presets import PRESETS
     from sim.corun import SPANS_S
     from sim.hardware import DeviceProfile
@@ -83,7 +83,8 @@ def test_sim_calibrate_measures_the_serving_path_of_brigade_serve(base_url: str)
     shape = ModelShape.from_config("tiny", PRESETS["tiny"].config)
     engine_fit = DeviceProfile(name="this-machine", peak_flops=20e9, mem_bw=20e9, mem_bytes=8e9,
                                step_overhead_s=0.001, dtype_bytes=4, host_cores=2.0)
-    short = {"requests": 3, "long_len": 68, "decode_tokens": 12, "streams": 2, "rounds": 1, "stream_rounds": 1}
+    short = {"requests": 3, "long_len": 68, "decode_tokens": 12, "streams": 2, "rounds": 1, "stream_rounds": 1,
+             "cold_rounds": 1}
     # As `brigade sim calibrate` measures: against the engine's own steps timed in this process at
     # the same moment. Without it the prompts' steps were the profile's, with the serving terms
     # just measured from one short streaming round added; on a loaded CI run those came out above
@@ -100,6 +101,9 @@ def test_sim_calibrate_measures_the_serving_path_of_brigade_serve(base_url: str)
     assert seen["time_per_token_1_streams_s"] > 0 and seen["time_per_token_2_streams_s"] > 0
     assert seen["idle_cpu_rate"] >= -0.05  # the machine's busy time less the workers': never below 0 but a tick
     assert colocated.host_cores == 2.0 and colocated.decode_token_overhead_s is None
+    # What idle costs a step and a request, at each idle timed (the extras >= 0 by the profile's own check)
+    assert [i for i, _ in colocated.cold_step_s] == [i for i, _ in colocated.cold_request_s] == list(COLD_IDLE_S)
+    assert seen["ttft_after_idle_s"][0.0] > 0 and seen["decode_step_after_idle_s"][0.0] > 0
 
     # the co-run scene simulated at one phase, not three: the fit's grid is most of this test's time
     disagg, seen = measure_serving(base_url, colocated, shape, disaggregated=True, timer=timer, corun_phases=1,
@@ -130,5 +134,5 @@ def test_sim_calibrate_measures_the_serving_path_of_brigade_serve(base_url: str)
         assert seen["measured_answer_gap_quiet_s"] > 0 and seen["measured_answer_gap_beside_s"] > 0
         assert 1.0 <= disagg.decode_corun_slowdown <= 4.0
     keep = ("request_overhead_s", "request_overhead_per_token_s", "token_overhead_s", "worker_step_overhead_s",
-            "stream_cpu_s")
+            "stream_cpu_s", "cold_step_s", "cold_request_s")
     assert {k: getattr(disagg, k) for k in keep} == {k: getattr(colocated, k) for k in keep}

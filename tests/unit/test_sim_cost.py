@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sim.cost import Roofline, StepWork
-from sim.hardware import load_device, load_link
+from sim.hardware import DeviceProfile, load_device, load_link
 from sim.shapes import load_shape
 
 
@@ -168,3 +168,17 @@ def test_a_requests_jitter_is_its_draw_between_the_quantiles() -> None:
     assert [dev.jitter_s(u) for u in (0.0, 0.125, 0.5, 0.875, 1.0)] == pytest.approx(
         [-0.004, -0.0025, 0.0, 0.006, 0.010])
     assert dev.model_copy(update={"request_jitter_s": (0.003,)}).jitter_s(0.7) == 0.003
+
+
+def test_what_idle_costs_grows_between_the_measured_idles_and_stays_beyond() -> None:
+    dev = load_device("cpu-2core").model_copy(update={"cold_step_s": ((0.1, 0.002), (1.0, 0.008)),
+                                                      "cold_request_s": ((0.5, 0.006),)})
+    assert [dev.cold_step(t) for t in (0.0, 0.05, 0.1, 0.55, 1.0, 60.0, float("inf"))] == pytest.approx(
+        [0.0, 0.001, 0.002, 0.005, 0.008, 0.008, 0.008])
+    assert dev.cold_request(0.25) == pytest.approx(0.003) and load_device("cpu-2core").cold_step(5.0) == 0.0
+    slow = dev.slowed(1.5)  # the extra seconds, not the idle ones
+    assert [i for i, _ in slow.cold_step_s] == [0.1, 1.0]
+    assert [e for _, e in slow.cold_step_s] == pytest.approx([0.003, 0.012])
+    for bad in (((0.5, 0.002), (0.5, 0.004)), ((0.0, 0.002),), ((0.5, -0.001),)):
+        with pytest.raises(ValueError, match="rising idles"):
+            DeviceProfile.model_validate({**dev.model_dump(), "cold_step_s": bad})

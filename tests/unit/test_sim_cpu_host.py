@@ -256,3 +256,22 @@ def test_a_decode_workers_step_beside_another_workers_prompt_step_gets_at_most_i
     assert colocated == pytest.approx([6.0, 6.0])
     with pytest.raises(ValueError, match="decode_corun_slowdown"):
         CpuHost(2, decode_corun_slowdown=0.9)
+
+
+def test_a_host_knows_how_long_its_cores_have_idled() -> None:
+    host = CpuHost(2)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        seen = [host.idle_s(loop.time())]  # nothing ever ran: idle for ever
+        await asyncio.sleep(1.0)
+        job = loop.create_task(host.run(0.5))
+        await asyncio.sleep(0.2)
+        seen.append(host.idle_s(loop.time()))  # busy
+        await job
+        host.spend(0.25)  # background work counts too
+        await asyncio.sleep(1.0)
+        seen.append(host.idle_s(loop.time()))
+        return seen
+
+    assert run_virtual(main()) == pytest.approx([float("inf"), 0.0, 0.75])

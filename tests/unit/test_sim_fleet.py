@@ -262,3 +262,22 @@ def test_a_colocated_fleet_takes_the_corun_ceiling_and_not_the_waits(tmp_path) -
         assert ttft(fleet, **ceiling) > ttft(fleet) + 0.5 * prefill_s(64)
     assert ttft(FLEET, **waits, **ceiling) == pytest.approx(ttft(FLEET, **ceiling) + 0.02)
     assert ttft(colocated, **waits, **ceiling) == pytest.approx(ttft(colocated, **ceiling))
+
+
+def test_a_request_after_idle_takes_the_profiles_cold_step_and_request(tmp_path) -> None:
+    """A request that finds the host idle a second or more takes cold_request_s's last extra on
+    its serving path and its worker's first step cold_step_s's; the next turn, sent as the first
+    answer ends, finds both warm."""
+    cold = {"cold_step_s": ((1.0, 0.004),), "cold_request_s": ((1.0, 0.010),)}
+    colocated = FLEET.model_copy(update={"mode": "colocated", "prefill": 1, "decode": 0})
+    sessions = [SimSession("a", 0.0, ((list(range(64)), 3),)),
+                SimSession("b", 5.0, ((list(range(300, 364)), 3), (list(range(400, 432)), 3)))]
+
+    def run(**fields) -> dict:
+        fleet = colocated.model_copy(update={"device": _profile(tmp_path, host_cores=8, **fields)})
+        return {r.request_id: r for r in simulate(fleet, sessions)["records"]}
+
+    plain, slow = run(), run(**cold)
+    for rid in ("a", "b-t0"):
+        assert slow[rid].ttft_s == pytest.approx(plain[rid].ttft_s + 0.014)
+    assert slow["b-t1"].ttft_s == pytest.approx(plain["b-t1"].ttft_s, abs=5e-4)

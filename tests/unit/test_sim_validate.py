@@ -117,7 +117,8 @@ def test_a_try_s_profile_scales_the_serving_terms_by_the_engine_s_move() -> None
     serving = load_device("cpu-2core").model_copy(update={
         "seq_overhead_s": 0.002, "attn_eff": 0.5, "request_overhead_s": 0.008, "stream_cpu_s": 0.004,
         "handoff_overhead_s": 0.003, "decode_token_overhead_s": 0.002, "corun_wait_s": 0.01,
-        "corun_wait_per_answer_s": 0.004, "corun_slowdown": 1.5, "request_jitter_s": (-0.002, 0.0, 0.005)}).model_dump()
+        "corun_wait_per_answer_s": 0.004, "corun_slowdown": 1.5, "request_jitter_s": (-0.002, 0.0, 0.005),
+        "cold_step_s": ((0.5, 0.004),), "cold_request_s": ((0.5, 0.006), (2.0, 0.01))}).model_dump()
     slower = {**serving, "peak_flops": serving["peak_flops"] / 1.3, "mem_bw": serving["mem_bw"] / 1.3,
               "step_overhead_s": serving["step_overhead_s"] * 1.3, "seq_overhead_s": serving["seq_overhead_s"] * 1.3}
     out = engine_fit_around("bench", slower, slower, serving)
@@ -129,10 +130,12 @@ def test_a_try_s_profile_scales_the_serving_terms_by_the_engine_s_move() -> None
     assert out["stream_cpu_s"] == pytest.approx(0.0052) and out["corun_slowdown"] == 1.5
     # The spread about a request's median is of waits, not of work on the cores: kept as measured.
     assert out["request_jitter_s"] == (-0.002, 0.0, 0.005)
+    # What idle costs was timed against idle seconds in the calibration, not against its engine fit.
+    assert out["cold_step_s"] == ((0.5, 0.004),) and out["cold_request_s"] == ((0.5, 0.006), (2.0, 0.01))
     same = engine_fit_around("bench", serving, serving, serving)
-    assert same.pop("decode_batch_scale") == [] and same.pop("request_jitter_s") == serving["request_jitter_s"]
-    assert same == pytest.approx({k: v for k, v in serving.items()
-                                  if k not in ("decode_batch_scale", "request_jitter_s")})
+    kept = ("decode_batch_scale", "request_jitter_s", "cold_step_s", "cold_request_s")
+    assert same.pop("decode_batch_scale") == [] and all(same.pop(k) == serving[k] for k in kept[1:])
+    assert same == pytest.approx({k: v for k, v in serving.items() if k not in kept})
     # A decode batch's attention rate: the mean of the fits' per-flop times, as the others.
     fast, slow = ({**serving, "decode_attn_eff": e} for e in (0.2, 0.1))
     assert engine_fit_around("bench", fast, slow, serving)["decode_attn_eff"] == pytest.approx(1 / 7.5)
