@@ -116,7 +116,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                                                   "also the engine timed here beside each served measurement: give "
                                                   "what one served worker has")
     cal.add_argument("--url", help="a running `brigade serve` of the same preset: also measure the serving path's "
-                                    "costs beyond the engine steps (request_overhead_s, token_overhead_s)")
+                                    "costs beyond the engine steps (request_overhead_s, token_overhead_s) and, on a "
+                                    "CPU host, what idle costs the next step and request (cold_step_s, "
+                                    "cold_request_s)")
     cal.add_argument("--disagg-url", help="a running disaggregated `brigade serve` of the same preset: measure what "
                                           "its requests cost beyond --url's (handoff_overhead_s) and, on a CPU "
                                           "host, how much a prompt step slows beside another worker's "
