@@ -10,6 +10,7 @@ import asyncio
 import os
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
 import psutil
@@ -297,32 +298,36 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
         finally:
             await t.aclose()
 
-    def engine_after_idle() -> dict[float, float]:
-        """The engine's decode step (one sequence of `long_len` tokens) after each idle in
-        COLD_IDLE_S and right after another step (0): medians over `cold_rounds` interleaved rounds."""
+    async def after_idle(measure: Callable[[], Awaitable[float]]) -> dict[float, float]:
+        """`measure()` after each idle in COLD_IDLE_S and right after the last (0): each one's
+        median over `cold_rounds` interleaved rounds."""
         seen_s: dict[float, list[float]] = {idle: [] for idle in (0.0, *COLD_IDLE_S)}
         for _ in range(cold_rounds):
             for idle in COLD_IDLE_S:
-                time.sleep(idle)
-                seen_s[idle].append(timer.decode(1, 1, long_len)[0])
-                seen_s[0.0].append(timer.decode(1, 1, long_len)[0])
+                await asyncio.sleep(idle)
+                seen_s[idle].append(await measure())
+                seen_s[0.0].append(await measure())
         return {idle: statistics.median(v) for idle, v in seen_s.items()}
 
+    async def engine_after_idle() -> dict[float, float]:
+        """The engine's decode step (one sequence of `long_len` tokens), as after_idle times it."""
+        async def step() -> float:
+            return timer.decode(1, 1, long_len)[0]
+
+        return await after_idle(step)
+
     async def served_after_idle() -> dict[float, float]:
-        """The TTFT of a one-token answer to a cached `long_len`-token prompt sent after each
-        idle in COLD_IDLE_S and right after the last answer (0), as engine_after_idle."""
+        """The TTFT of a one-token answer to a cached `long_len`-token prompt, as after_idle times it."""
         t = target()
         same = next(ids)
-        seen_s: dict[float, list[float]] = {idle: [] for idle in (0.0, *COLD_IDLE_S)}
         try:
             for _ in range(2):  # warm the path up and cache the prompt
                 await one(t, long_len, 1, same)
-            for _ in range(cold_rounds):
-                for idle in COLD_IDLE_S:
-                    await asyncio.sleep(idle)
-                    seen_s[idle].append((await one(t, long_len, 1, same))[0])
-                    seen_s[0.0].append((await one(t, long_len, 1, same))[0])
-            return {idle: statistics.median(v) for idle, v in seen_s.items()}
+
+            async def ttft() -> float:
+                return (await one(t, long_len, 1, same))[0]
+
+            return await after_idle(ttft)
         finally:
             await t.aclose()
 
@@ -469,7 +474,7 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
         update["host_cores"] = float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                      else os.cpu_count() or 1)
     if timer is not None:  # a CPU host: what its idle costs the next step and the next request
-        engine_s, served_s = engine_after_idle(), asyncio.run(served_after_idle())
+        engine_s, served_s = asyncio.run(engine_after_idle()), asyncio.run(served_after_idle())
         update["cold_step_s"], update["cold_request_s"] = cold_tables(engine_s, served_s)
         seen |= {"decode_step_after_idle_s": engine_s, "ttft_after_idle_s": served_s}
     return profile.model_copy(update=update), seen | {"steal_share": stolen.share()}

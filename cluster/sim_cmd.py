@@ -232,7 +232,7 @@ def _span(span_s: float | None) -> str:
     return "" if span_s is None else f" for its first {span_s * 1000:.0f} ms"
 
 
-def _after_idle(profile) -> str:
+def _idle_costs(profile) -> str:
     """What idle costs the next step and request (DeviceProfile.cold_step_s, cold_request_s)."""
     if not profile.cold_step_s and not profile.cold_request_s:
         return ""
@@ -303,7 +303,7 @@ def _calibrate(args: argparse.Namespace) -> int:
               f"a served worker's step {profile.worker_step_overhead_s * 1000:.2f} ms + "
               f"{profile.token_overhead_s * 1000:.2f} ms per streamed token beyond the engine's, and "
               f"{profile.stream_cpu_s * 1000:.2f} ms of CPU beside it per streamed token"
-              f"{_after_idle(profile)} ({seen})")
+              f"{_idle_costs(profile)} ({seen})")
         _warn_stolen(seen["steal_share"], "the colocated serve's measurement")
     if args.disagg_url:
         profile, seen = measure_serving(args.disagg_url, profile, shape, disaggregated=True, timer=timer)
