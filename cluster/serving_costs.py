@@ -1,7 +1,8 @@
 """`brigade sim calibrate --url/--disagg-url`: the serving path's costs beyond the engine's
 steps, measured on a running `brigade serve` with loadtest's HTTP target (so it lives at the
 edge: sim/ imports only engine and router), into a device profile's request_overhead_s,
-request_overhead_per_token_s, token_overhead_s, stream_cpu_s (with host_cores),
+request_overhead_per_token_s, token_overhead_s, stream_cpu_s (with host_cores, background_cores
+and worker_background_cores),
 handoff_overhead_s, kv_receive_cpu_per_token_s, corun_wait_s, corun_wait_per_answer_s,
 corun_slowdown, corun_span_s, decode_corun_slowdown and request_jitter_s."""
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import NamedTuple
 import psutil
 
 from cluster.steal import StealMeter, cpu_times_s
+from loadtest import server_steps
 from loadtest.targets import TargetConfig, make_target
 from loadtest.types import Message, Prompt
 from sim.corun import (
@@ -51,6 +53,10 @@ class StreamRun(NamedTuple):
     wall_s: float
     tokens: int
     requests: int
+    # The workers' own CPU seconds beyond their engine steps' (their actors' and Ray's threads),
+    # and the steps they took; None where the server counts no steps (engine/step_log.py)
+    worker_cpu_s: float | None = None
+    steps: int = 0
 
 
 class CpuSample(NamedTuple):
@@ -115,11 +121,43 @@ def _step_and_token_overheads(one: float, many: float, width: int) -> tuple[floa
     return per_step, per_seq
 
 
+def _workers_cpu_s(since: CpuSample, until: CpuSample) -> float:
+    """CPU seconds the workers' processes spent between two samples, every thread of each."""
+    return sum(until.procs_s[pid] - since.procs_s.get(pid, 0.0) for pid in until.workers)
+
+
 def _serving_cpu_s(since: CpuSample, until: CpuSample) -> float:
     """CPU seconds the machine spent between two samples outside the workers: the door, the
     router, Ray's and Redis's own, the kernel's, this client."""
-    workers = sum(until.procs_s[pid] - since.procs_s.get(pid, 0.0) for pid in until.workers)
-    return (until.busy_s - since.busy_s) - workers
+    return (until.busy_s - since.busy_s) - _workers_cpu_s(since, until)
+
+
+def _steps_cpu(before: dict | None, after: dict | None) -> tuple[float, int] | None:
+    """The served engine steps' own CPU seconds and count between two reads of the server's step
+    counters (loadtest/server_steps.py), over every worker; None where it counts none."""
+    if before is None or after is None:
+        return None
+    tallies = [t for kinds in server_steps.between(before, after).values()
+               for batches in kinds.values() for t in batches.values()]
+    return sum(t["cpu_s"] for t in tallies), sum(t["steps"] for t in tallies)
+
+
+def worker_stream_cpu_s(runs: list[StreamRun], idle_rate: float, per_step_s: float, per_token_s: float
+                        ) -> float | None:
+    """Per streamed token, the workers' own CPU beyond what the simulator charges their steps:
+    their processes' CPU over `runs` less their engine steps' (the served step log's), their
+    idle rate over the runs' wall time, and the steps' serving overheads (`per_step_s` a step,
+    `per_token_s` a sampled sequence: part of each simulated step's work). Their actors' and Ray's
+    threads hand each token on beside the engine thread: on the 2-core Xeon here 18.6-19.0 ms of
+    the worker process's CPU a token where its steps took about 15, which alone runs on the idle
+    core, and two workers answering at once have none (their answers 23.2 ms a token, not 18.3).
+    None where the server counts no steps."""
+    if not runs or any(r.worker_cpu_s is None for r in runs):
+        return None
+    tokens = sum(r.tokens for r in runs)
+    charged = per_step_s * sum(r.steps for r in runs) + per_token_s * tokens
+    beyond = sum(r.worker_cpu_s for r in runs) - idle_rate * sum(r.wall_s for r in runs) - charged
+    return beyond / max(1, tokens)
 
 
 # The idle seconds after which calibrate --url times a step and a request (DeviceProfile.cold_step_s):
@@ -141,7 +179,7 @@ def cold_tables(engine_s: dict[float, float], served_s: dict[float, float]
 def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggregated: bool = False,
                     requests: int = 8, short_len: int = SHORT_LEN, long_len: int = 516,
                     decode_tokens: int = DECODE_TOKENS,
-                    streams: int = 4, rounds: int = 8, stream_rounds: int = 4, idle_s: float = 3.0,
+                    streams: int = 4, rounds: int = 8, stream_rounds: int = 4, idle_s: float = 6.0,
                     block_size: int = 16, corun_width: int = 1, corun_wide_width: int = 3,
                     corun_phases: int = HitScene.phases,
                     receive_requests: int = 3, cold_rounds: int = 5,
@@ -162,11 +200,15 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
       `long_len`-token one whose full blocks are cached (so its prefill step is short and its
       noise does not drown the serving path's per-token cost), one at a time, less their
       prefill steps, as a line through the two;
-    - stream_cpu_s: per streamed token, the CPU the machine spends outside the worker (the
-      router, the door and the client hand each chunk on, in their own processes, on the same
-      cores): over those streams, the CPU time of every process but the workers' less its
-      idle rate and their requests' way in, per token;
-    - host_cores: the cores this process may run on (the serve runs on the same machine).
+    - stream_cpu_s: per streamed token, the CPU the machine spends beside the worker's steps
+      (the router, the door and the client hand each chunk on, in their own processes, and
+      the worker's actor and Ray threads in its own, on the same cores): over those streams,
+      the CPU time of every process but the workers' less its idle rate and their requests'
+      way in, per token, and with `timer` of one torch thread the workers' own beyond their
+      steps (worker_stream_cpu_s);
+    - host_cores: the cores this process may run on (the serve runs on the same machine);
+    - background_cores and worker_background_cores: of those, what the serve's processes beside
+      the workers and each worker's keep busy over `idle_s` with no request in flight;
     A disaggregated one (`disaggregated`, measured after the colocated one) gives
     handoff_overhead_s: what its short TTFT holds beyond that (the decode worker's reservation
     and the prefill worker's answer, actor calls the simulated network does not time), set
@@ -350,12 +392,18 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
         t = target()
         try:
             await one(t, short_len, 4)
+            # The step counters are read outside the CPU samples: the router asks each worker for
+            # them, an actor call whose CPU is the worker's but no streamed token's.
+            steps_before = await t.server_steps()
             before, wall = _cpu_sample(), time.perf_counter()
             runs = await asyncio.gather(*(one(t, short_len, decode_tokens) for _ in range(width)))
-            cpu, wall = _serving_cpu_s(before, _cpu_sample()), time.perf_counter() - wall
+            after, wall = _cpu_sample(), time.perf_counter() - wall
+            stepped = _steps_cpu(steps_before, await t.server_steps())
             per_token = statistics.median((last - first) / (n - 1) for first, last, n, _ in runs if n > 1)
             second = statistics.median(gap for *_, gap in runs)
-            return StreamRun(per_token, second, cpu, wall, sum(n for _, _, n, _ in runs), width)
+            worker_cpu = None if stepped is None else _workers_cpu_s(before, after) - stepped[0]
+            return StreamRun(per_token, second, _serving_cpu_s(before, after), wall, sum(n for _, _, n, _ in runs),
+                             width, worker_cpu, 0 if stepped is None else stepped[1])
         finally:
             await t.aclose()
 
@@ -364,7 +412,9 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
     update: dict = {}
     idle, idle_decode = _cpu_sample(), _cpu_of(DECODE_TITLE)
     time.sleep(idle_s)
-    idle_rate = _serving_cpu_s(idle, _cpu_sample()) / idle_s  # Ray's and Redis's own polling, the OS
+    idled = _cpu_sample()
+    idle_rate = _serving_cpu_s(idle, idled) / idle_s  # Ray's and Redis's own polling, the OS
+    workers_idle_rate = _workers_cpu_s(idle, idled) / idle_s  # their actors' and Ray's own polling
     decode_idle_rate = (_cpu_of(DECODE_TITLE) - idle_decode) / idle_s  # its actor's own polling
     def decode_step_s(width: int) -> float:
         """The engine's own decode step of `width` streams' batch: timed now, or the profile's."""
@@ -401,7 +451,14 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
         seen["second_token_gap_1_stream_s"] = second
     cpu, wall = sum(r.cpu_s for r in runs), sum(r.wall_s for r in runs)
     tokens, requests_n = sum(r.tokens for r in runs), sum(r.requests for r in runs)
-    seen |= {"serving_cpu_s": cpu, "streaming_wall_s": wall, "streamed_tokens": tokens, "idle_cpu_rate": idle_rate}
+    seen |= {"serving_cpu_s": cpu, "streaming_wall_s": wall, "streamed_tokens": tokens, "idle_cpu_rate": idle_rate,
+             "worker_idle_cpu_rate": workers_idle_rate, "idle_workers": len(idled.workers)}
+    # A served step's stepping thread is all of its compute with one torch thread only
+    # (engine/step_log.py): with more, the other threads' share would land in the workers' own.
+    worker_cpu = None
+    if timer is not None and timer.threads == 1:
+        worker_cpu = worker_stream_cpu_s(runs, workers_idle_rate, per_step, per_seq)
+        seen |= {"worker_stream_cpu_s": worker_cpu}
     if not disaggregated:
         profile = profile.model_copy(update=update)
     roofline = Roofline(shape, profile)
@@ -469,10 +526,16 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
     profile = profile.model_copy(update=update)
     # What the streaming cost the machine beside the worker, less its requests' way in.
     requests_s = requests_n * (profile.request_overhead_s + profile.request_overhead_per_token_s * short_len)
-    update["stream_cpu_s"] = max(0.0, (cpu - idle_rate * wall - requests_s) / max(1, tokens))
+    outside = (cpu - idle_rate * wall - requests_s) / max(1, tokens)
+    seen["outside_stream_cpu_s"] = outside
+    update["stream_cpu_s"] = max(0.0, outside + max(0.0, worker_cpu or 0.0))
+    cores = float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     if profile.host_cores is None:  # an engine fit sets it (a core per torch thread of a step)
-        update["host_cores"] = float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                     else os.cpu_count() or 1)
+        update["host_cores"] = cores
+    # What the serve keeps busy idle, in the host's slots (a core per torch thread of a step)
+    slots = (profile.host_cores or cores) / cores
+    update["background_cores"] = max(0.0, idle_rate) * slots
+    update["worker_background_cores"] = max(0.0, workers_idle_rate) / max(1, len(idled.workers)) * slots
     if timer is not None:  # a CPU host: what its idle costs the next step and the next request
         engine_s, served_s = asyncio.run(engine_after_idle()), asyncio.run(served_after_idle())
         update["cold_step_s"], update["cold_request_s"] = cold_tables(engine_s, served_s)

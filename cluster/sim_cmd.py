@@ -117,8 +117,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                                                   "what one served worker has")
     cal.add_argument("--url", help="a running `brigade serve` of the same preset: also measure the serving path's "
                                     "costs beyond the engine steps (request_overhead_s, token_overhead_s) and, on a "
-                                    "CPU host, what idle costs the next step and request (cold_step_s, "
-                                    "cold_request_s)")
+                                    "CPU host, the CPU each streamed token costs beside the steps (stream_cpu_s), "
+                                    "what the serve keeps busy idle (background_cores, worker_background_cores) "
+                                    "and what idle costs the next step and request (cold_step_s, cold_request_s)")
     cal.add_argument("--disagg-url", help="a running disaggregated `brigade serve` of the same preset: measure what "
                                           "its requests cost beyond --url's (handoff_overhead_s) and, on a CPU "
                                           "host, how much a prompt step slows beside another worker's "
@@ -302,8 +303,9 @@ def _calibrate(args: argparse.Namespace) -> int:
               f"{profile.request_overhead_per_token_s * 1e6:.1f} us per prompt token, "
               f"a served worker's step {profile.worker_step_overhead_s * 1000:.2f} ms + "
               f"{profile.token_overhead_s * 1000:.2f} ms per streamed token beyond the engine's, and "
-              f"{profile.stream_cpu_s * 1000:.2f} ms of CPU beside it per streamed token"
-              f"{_idle_costs(profile)} ({seen})")
+              f"{profile.stream_cpu_s * 1000:.2f} ms of CPU beside it per streamed token; with no request in "
+              f"flight the serve keeps {profile.background_cores:.3f} cores busy and each worker "
+              f"{profile.worker_background_cores:.3f} more{_idle_costs(profile)} ({seen})")
         _warn_stolen(seen["steal_share"], "the colocated serve's measurement")
     if args.disagg_url:
         profile, seen = measure_serving(args.disagg_url, profile, shape, disaggregated=True, timer=timer)

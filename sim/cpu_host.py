@@ -7,7 +7,10 @@ threads, the door, the router and the streaming of every token all run on the sa
 cores: when more of them are runnable than there are cores, each gets a fair share and
 every one of them runs slower. A `CpuHost` with `cores` runs each job (seconds of one core's
 work) at min(1, cores / jobs running) until its work is done; a job that joins or leaves
-changes the rate of all the others, so their ends are re-planned then.
+changes the rate of all the others, so their ends are re-planned then. The serve's own
+processes keep `background` cores busy with no request in flight (Ray's, Redis's and the
+workers' polling and heartbeats: DeviceProfile.background_cores): while the jobs fit beside it
+each still has a core, and when they do not they share what it leaves.
 
 A fair share is not all a step loses there: a step computing prompt tokens while another
 worker's step decodes waits on the run queue far longer than the serving path's CPU time
@@ -81,9 +84,13 @@ class _Job:
 class CpuHost:
     def __init__(self, cores: float, corun_slowdown: float = 1.0, corun_wait_s: float = 0.0,
                  decode_corun_slowdown: float = 1.0, corun_wait_per_answer_s: float = 0.0,
-                 corun_span_s: float | None = None):
+                 corun_span_s: float | None = None, background: float = 0.0):
         if cores <= 0:
             raise ValueError(f"a host needs cores > 0, not {cores}")
+        if not 0 <= background < cores:
+            raise ValueError(f"the serve's background work ({background:g} cores busy with no request in flight) "
+                             f"must leave some of the host's {cores:g} cores to its steps: a fleet this large does "
+                             "not fit this host (fewer workers, or a profile with more host_cores)")
         if corun_slowdown < 1:
             raise ValueError(f"corun_slowdown is a slowdown (>= 1), not {corun_slowdown}")
         if corun_wait_s < 0:
@@ -97,6 +104,7 @@ class CpuHost:
         self.cores, self.corun_slowdown, self.corun_wait_s = cores, corun_slowdown, corun_wait_s
         self.decode_corun_slowdown, self.corun_wait_per_answer_s = decode_corun_slowdown, corun_wait_per_answer_s
         self.corun_span_s = corun_span_s
+        self.background = background  # cores the serve's idle polling keeps busy (DeviceProfile.background_cores)
         self.cpu_s = 0.0  # work done, all jobs together
         self._jobs: list[_Job] = []
         self._since = 0.0  # when the jobs' left_s were last brought up to date
@@ -113,8 +121,9 @@ class CpuHost:
         return 0.0 if self._idle_since is None else now - self._idle_since
 
     def rate(self) -> float:
-        """How fast each running job advances now (1: a core of its own)."""
-        return min(1.0, self.cores / len(self._jobs)) if self._jobs else 1.0
+        """How fast each running job advances now (1: a core of its own): a fair share of the
+        cores the background work leaves, once the jobs need more than that."""
+        return min(1.0, (self.cores - self.background) / len(self._jobs)) if self._jobs else 1.0
 
     def _rate(self, job: _Job) -> float:
         """`job`'s own rate from now on: the fair share, at most 1 / corun_slowdown for a prompt

@@ -104,8 +104,12 @@ class Fleet:
         # (sim/cpu_host.py).
         d = self.device
         waits = {"corun_wait_s": d.corun_wait_s, "corun_wait_per_answer_s": d.corun_wait_per_answer_s}
+        # Each rank of a worker is a process of its own, polling as a worker does.
+        ranks = (cfg.prefill + cfg.decode) * cfg.prefill_tp if cfg.mode == "colocated" else (
+            cfg.prefill * cfg.prefill_tp + cfg.decode * cfg.decode_tp)
         self.cpu = CpuHost(d.host_cores, corun_slowdown=d.corun_slowdown, corun_span_s=d.corun_span_s,
                            decode_corun_slowdown=d.decode_corun_slowdown,
+                           background=d.background_cores + d.worker_background_cores * ranks,
                            **(waits if cfg.mode == "disaggregated" else {})) if d.host_cores else None
 
     def _worker(self, worker_id: str, role: str, tp: int) -> SimWorker:

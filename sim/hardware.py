@@ -86,8 +86,18 @@ class DeviceProfile(_Frozen):
     # (processor sharing, sim/cpu_host.py). None: each worker has its device to itself (a GPU).
     host_cores: float | None = Field(None, gt=0)
     # Per streamed token, the serving path's CPU outside the worker's step (the router, the
-    # door, the client), on host_cores beside the workers (calibrate --url; 0 for the GPUs).
+    # door, the client, the worker's own actor and Ray threads), on host_cores beside the
+    # workers (calibrate --url; 0 for the GPUs).
     stream_cpu_s: float = Field(0.0, ge=0)
+    # Of host_cores, what the serve keeps busy with no request in flight: `background_cores` its
+    # processes beside the workers (Ray's raylet and GCS, Redis, the door's and router's loops:
+    # their polling and heartbeats) and `worker_background_cores` each worker process more (its
+    # actor's and Ray's threads). Steps get the cores left when more are runnable than that
+    # leaves (sim/cpu_host.py). calibrate --url measures both on its colocated serve, idle: 0.08
+    # and 0.03 cores on the 2-core Xeon here; without them two colocated workers' answers side
+    # by side were simulated 10-14% fast. 0 for the GPUs (a host's cores are not what limits a step).
+    background_cores: float = Field(0.0, ge=0)
+    worker_background_cores: float = Field(0.0, ge=0)
     # On host_cores: a step computing prompt tokens (and decoding none) that starts while other
     # workers' steps decode first waits corun_wait_s, and corun_wait_per_answer_s more for each
     # answer they decode beyond the first, then gets at most 1 / corun_slowdown of a core, less

@@ -36,6 +36,7 @@ class StepTimer:
 
         if threads:
             torch.set_num_threads(threads)
+        self.threads = torch.get_num_threads()  # a step's: a served worker stepping as this one has as many
         self.preset, self.dtype, self.context, self.decode_budget = preset, dtype, context, decode_budget
         self.temperature = temperature
         self._ids = count()

@@ -4,6 +4,7 @@ a handful of requests, one server for the module."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -100,6 +101,17 @@ def test_sim_calibrate_measures_the_serving_path_of_brigade_serve(base_url: str)
     assert colocated.token_overhead_s >= 0 and colocated.worker_step_overhead_s >= 0
     assert seen["time_per_token_1_streams_s"] > 0 and seen["time_per_token_2_streams_s"] > 0
     assert seen["idle_cpu_rate"] >= -0.05  # the machine's busy time less the workers': never below 0 but a tick
+    # the workers' own CPU per streamed token beyond their steps (one torch thread: the served step log
+    # holds a step's whole CPU), measured from the step counters and counted in the streaming's CPU
+    assert seen["worker_stream_cpu_s"] is not None
+    assert colocated.stream_cpu_s == pytest.approx(
+        max(0.0, seen["outside_stream_cpu_s"] + max(0.0, seen["worker_stream_cpu_s"])))
+    # what the serve keeps busy idle, beside the workers and per worker, in the profile's core slots
+    slots = engine_fit.host_cores / len(os.sched_getaffinity(0))
+    assert colocated.background_cores == pytest.approx(max(0.0, seen["idle_cpu_rate"]) * slots)
+    assert seen["idle_workers"] >= 1 and seen["worker_idle_cpu_rate"] >= 0
+    assert colocated.worker_background_cores == pytest.approx(
+        seen["worker_idle_cpu_rate"] / seen["idle_workers"] * slots)
     assert colocated.host_cores == 2.0 and colocated.decode_token_overhead_s is None
     # What idle costs a step and a request, at each idle timed (the extras >= 0 by the profile's own check)
     assert [i for i, _ in colocated.cold_step_s] == [i for i, _ in colocated.cold_request_s] == list(COLD_IDLE_S)
@@ -134,5 +146,5 @@ def test_sim_calibrate_measures_the_serving_path_of_brigade_serve(base_url: str)
         assert seen["measured_answer_gap_quiet_s"] > 0 and seen["measured_answer_gap_beside_s"] > 0
         assert 1.0 <= disagg.decode_corun_slowdown <= 4.0
     keep = ("request_overhead_s", "request_overhead_per_token_s", "token_overhead_s", "worker_step_overhead_s",
-            "stream_cpu_s", "cold_step_s", "cold_request_s")
+            "stream_cpu_s", "cold_step_s", "cold_request_s", "background_cores", "worker_background_cores")
     assert {k: getattr(disagg, k) for k in keep} == {k: getattr(colocated, k) for k in keep}

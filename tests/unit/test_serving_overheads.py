@@ -1,10 +1,11 @@
 """A served decode step's cost beyond the engine's, split per step and per streamed token from
-two measured widths, and what idle costs a step and a request (cluster/serving_costs.py)."""
+two measured widths, the workers' own CPU per streamed token beyond their steps, and what idle
+costs a step and a request (cluster/serving_costs.py)."""
 from __future__ import annotations
 
 import pytest
 
-from cluster.serving_costs import _step_and_token_overheads, cold_tables
+from cluster.serving_costs import StreamRun, _step_and_token_overheads, cold_tables, worker_stream_cpu_s
 
 
 def test_the_line_through_one_and_many_streams() -> None:
@@ -37,3 +38,25 @@ def test_what_idle_costs_a_request_is_its_growth_beyond_its_steps() -> None:
     assert [i for i, _ in step] == [i for i, _ in request] == [0.4, 2.0]
     assert [e for _, e in step] == pytest.approx([0.0048, 0.0101])
     assert [e for _, e in request] == pytest.approx([0.0082, 0.0])
+
+
+def _run(tokens: int, steps: int, worker_cpu_s: float | None, wall_s: float = 1.0) -> StreamRun:
+    return StreamRun(0.02, 0.02, 0.1, wall_s, tokens, 1, worker_cpu_s, steps)
+
+
+def test_the_workers_own_cpu_per_token_is_beyond_their_steps_idle_and_step_overheads() -> None:
+    """Two rounds: 48 tokens in 48 steps and 192 in 48 (four answers at once), the workers'
+    processes 0.30 and 0.80 s of CPU beyond their steps' in 1 s each; idling they spend 0.01 s a
+    second, and the simulator charges each step 0.5 ms and each token 1 ms beyond the engine's."""
+    runs = [_run(48, 48, 0.30), _run(192, 48, 0.80)]
+    charged = 0.0005 * 96 + 0.001 * 240
+    assert worker_stream_cpu_s(runs, 0.01, 0.0005, 0.001) == pytest.approx((1.10 - 0.02 - charged) / 240)
+    # more idle polling or more charged to the steps leave less to the streaming
+    assert worker_stream_cpu_s(runs, 0.05, 0.0005, 0.001) < worker_stream_cpu_s(runs, 0.01, 0.0005, 0.001)
+    assert worker_stream_cpu_s(runs, 0.01, 0.0005, 0.002) < worker_stream_cpu_s(runs, 0.01, 0.0005, 0.001)
+
+
+def test_no_worker_cpu_without_the_servers_step_counts() -> None:
+    """A server that counts no steps (vLLM's) leaves the steps' CPU unknown: nothing is guessed."""
+    assert worker_stream_cpu_s([_run(48, 48, 0.3), _run(48, 0, None)], 0.0, 0.0, 0.0) is None
+    assert worker_stream_cpu_s([], 0.0, 0.0, 0.0) is None

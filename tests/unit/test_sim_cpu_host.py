@@ -10,9 +10,11 @@ from sim.clock import run_virtual
 from sim.cpu_host import CpuHost
 
 
-def _ends(cores: float, jobs: list[tuple[float, float]], background: list[tuple[float, float]] = ()):
-    """Each (start, cpu seconds) job's end, and the host, after running them all."""
-    host = CpuHost(cores)
+def _ends(cores: float, jobs: list[tuple[float, float]], background: list[tuple[float, float]] = (),
+          busy: float = 0.0):
+    """Each (start, cpu seconds) job's end, and the host (`busy`: its background cores), after
+    running them all."""
+    host = CpuHost(cores, background=busy)
 
     async def job(start: float, cpu_s: float) -> float:
         await asyncio.sleep(start)
@@ -80,6 +82,18 @@ def test_a_cancelled_job_leaves_and_gives_its_share_back() -> None:
 def test_a_host_needs_cores() -> None:
     with pytest.raises(ValueError, match="cores > 0"):
         CpuHost(0)
+    with pytest.raises(ValueError, match="does not fit this host"):
+        CpuHost(2, background=2.0)
+
+
+def test_the_serves_idle_polling_slows_the_jobs_only_when_they_need_its_cores() -> None:
+    """0.2 of 2 cores busy with no request in flight: one job still has a core; two share the 1.8
+    left (0.9 each) until the first ends; three share it by thirds."""
+    assert _ends(2, [(0.0, 1.0)], busy=0.2)[0] == pytest.approx([1.0])
+    ends, host = _ends(2, [(0.0, 0.9), (0.0, 1.8)], busy=0.2)
+    assert ends == pytest.approx([1.0, 1.9])  # 0.9 done in 1 s each, then the second alone at full speed
+    assert host.cpu_s == pytest.approx(2.7)  # the jobs' work, not the background's
+    assert _ends(2, [(0.0, 0.6)] * 3, busy=0.2)[0] == pytest.approx([1.0] * 3)
 
 
 async def _step_ends_at(host: CpuHost, cpu_s: float, prompt: bool, decode: bool) -> float:

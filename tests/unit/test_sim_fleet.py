@@ -200,6 +200,19 @@ def test_workers_beyond_the_hosts_cores_share_them(tmp_path) -> None:
         assert sorted(r.ttft_s for r in run["records"]) == pytest.approx([stretch * prefill_s(64)] * 2)
 
 
+def test_the_serves_idle_cores_are_its_processes_and_each_workers(tmp_path) -> None:
+    """Two mixed workers prefilling at once on two cores, the serve keeping 0.1 busy and each
+    worker 0.05 more: their steps share the 1.8 cores left, each at 0.9 of its own time's speed."""
+    sessions = [SimSession(s, 0.0, ((list(range(k, k + 64)), 1),)) for s, k in (("a", 0), ("b", 500))]
+    colocated = FLEET.model_copy(update={"mode": "colocated", "prefill": 2, "decode": 0})
+    busy = {"background_cores": 0.1, "worker_background_cores": 0.05}
+    fleet = colocated.model_copy(update={"device": _profile(tmp_path, host_cores=2, **busy)})
+    run = simulate(fleet, sessions)
+    assert sorted(r.ttft_s for r in run["records"]) == pytest.approx([prefill_s(64) / 0.9] * 2)
+    alone = simulate(fleet, sessions[:1])  # one step beside the polling still has a core of its own
+    assert alone["records"][0].ttft_s == pytest.approx(prefill_s(64))
+
+
 def test_streaming_work_slows_the_steps_only_when_the_cores_run_short(tmp_path) -> None:
     """The serving path's CPU per streamed token runs beside the worker: on a spare core it
     costs the worker nothing; on the worker's only core every step waits for its share."""
