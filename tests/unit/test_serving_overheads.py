@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.serving_costs import StreamRun, _step_and_token_overheads, cold_tables, worker_stream_cpu_s
+from cluster.serve_cpu import StreamRun, worker_stream_cpu_s
+from cluster.serving_costs import _step_and_token_overheads, cold_tables
 
 
 def test_the_line_through_one_and_many_streams() -> None:
