@@ -29,6 +29,7 @@ class StreamRun(NamedTuple):
     # and the steps they took; None where the server counts no steps (engine/step_log.py)
     worker_cpu_s: float | None = None
     steps: int = 0
+    decode_step_cpu_s: float | None = None  # the served decode steps' mean CPU (engine/step_log.py)
 
 
 class CpuSample(NamedTuple):
@@ -83,13 +84,14 @@ def serving_cpu_s(since: CpuSample, until: CpuSample) -> float:
     return (until.busy_s - since.busy_s) - workers_cpu_s(since, until)
 
 
-def steps_cpu(before: dict | None, after: dict | None) -> tuple[float, int] | None:
+def steps_cpu(before: dict | None, after: dict | None, kind: str | None = None) -> tuple[float, int] | None:
     """The served engine steps' own CPU seconds and count between two reads of the server's step
-    counters (loadtest/server_steps.py), over every worker; None where it counts none."""
+    counters (loadtest/server_steps.py), over every worker (`kind`: "decode" or "prompt" steps
+    only); None where it counts none."""
     if before is None or after is None:
         return None
     tallies = [t for kinds in server_steps.between(before, after).values()
-               for batches in kinds.values() for t in batches.values()]
+               for k, batches in kinds.items() if kind in (None, k) for t in batches.values()]
     return sum(t["cpu_s"] for t in tallies), sum(t["steps"] for t in tallies)
 
 

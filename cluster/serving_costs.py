@@ -12,6 +12,7 @@ import os
 import statistics
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import nullcontext
 
 from cluster.serve_cpu import (
     DECODE_TITLE,
@@ -40,7 +41,7 @@ from sim.corun import (
 from sim.cost import Roofline, StepWork
 from sim.hardware import DeviceProfile
 from sim.shapes import ModelShape
-from sim.step_timer import StepTimer
+from sim.step_timer import EngineBeside, StepTimer
 
 # The streamed answers' prompt and length (measure_serving's defaults), and so the context of
 # the decode batch a StepTimer beside them times.
@@ -90,7 +91,7 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
                     streams: int = 4, rounds: int = 8, stream_rounds: int = 4, idle_s: float = 6.0,
                     block_size: int = 16, corun_width: int = 1, corun_wide_width: int = 3,
                     corun_phases: int = HitScene.phases,
-                    receive_requests: int = 3, cold_rounds: int = 5,
+                    receive_requests: int = 3, cold_rounds: int = 5, oversubscribed_rounds: int = 4,
                     timer: StepTimer | None = None) -> tuple[DeviceProfile, dict]:
     """The serving path's costs on a running `brigade serve` at `url` (of the preset the profile
     was fitted on), through loadtest's HTTP target as `brigade bench` sends requests; distinct
@@ -152,6 +153,9 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
     right after another, and a cached `long_len`-token prompt's TTFT on the serve likewise; the
     request's growth beyond the step's is the serving path's (cold_tables). `cold_rounds`
     interleaved rounds of each (about 3.5 s of idle a round, twice).
+    With `timer` of one torch thread, also oversubscribed_slowdown: a served decode step's CPU
+    (its step log) with another engine stepping decodes in a process beside it, against alone,
+    one answer each, `oversubscribed_rounds` interleaved rounds (at least 1).
     `timer` (sim/step_timer.py, the engine of the same preset and threads as a served worker)
     times the engine's own step in this process just before each streaming round and each TTFT
     measurement, and what the serve adds is measured against that: this machine's speed drifts
@@ -306,12 +310,14 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
             before, wall = cpu_sample(), time.perf_counter()
             runs = await asyncio.gather(*(one(t, short_len, decode_tokens) for _ in range(width)))
             after, wall = cpu_sample(), time.perf_counter() - wall
-            stepped = steps_cpu(steps_before, await t.server_steps())
+            steps_after = await t.server_steps()
+            stepped, decoded = steps_cpu(steps_before, steps_after), steps_cpu(steps_before, steps_after, "decode")
             per_token = statistics.median((last - first) / (n - 1) for first, last, n, _ in runs if n > 1)
             second = statistics.median(gap for *_, gap in runs)
             worker_cpu = None if stepped is None else workers_cpu_s(before, after) - stepped[0]
+            decode_cpu = decoded[0] / decoded[1] if decoded and decoded[1] else None
             return StreamRun(per_token, second, serving_cpu_s(before, after), wall, sum(n for _, _, n, _ in runs),
-                             width, worker_cpu, 0 if stepped is None else stepped[1])
+                             width, worker_cpu, 0 if stepped is None else stepped[1], decode_cpu)
         finally:
             await t.aclose()
 
@@ -448,4 +454,19 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
         engine_s, served_s = asyncio.run(engine_after_idle()), asyncio.run(served_after_idle())
         update["cold_step_s"], update["cold_request_s"] = cold_tables(engine_s, served_s)
         seen |= {"decode_step_after_idle_s": engine_s, "ttft_after_idle_s": served_s}
+    if timer is not None and timer.threads == 1 and all(r.decode_step_cpu_s for r in runs):
+        # What a served decode step's CPU grows by with another engine stepping beside it (one
+        # answer each way, interleaved): the cores oversubscribed, as two workers' answers are.
+        beside = EngineBeside(timer.preset, timer.dtype, context=short_len + decode_tokens // 2)
+        try:
+            paired: dict[bool, list[float]] = {False: [], True: []}
+            for _ in range(oversubscribed_rounds):
+                for busy in (False, True):
+                    with beside.stepping() if busy else nullcontext():
+                        paired[busy].append(asyncio.run(streaming(1)).decode_step_cpu_s or 0.0)
+        finally:
+            beside.close()
+        alone_cpu, beside_cpu = (statistics.median(paired[b]) for b in (False, True))
+        update["oversubscribed_slowdown"] = max(1.0, beside_cpu / alone_cpu) if alone_cpu > 0 else 1.0
+        seen |= {"served_decode_step_cpu_alone_s": alone_cpu, "served_decode_step_cpu_beside_s": beside_cpu}
     return profile.model_copy(update=update), seen | {"steal_share": stolen.share()}

@@ -118,7 +118,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     cal.add_argument("--url", help="a running `brigade serve` of the same preset: also measure the serving path's "
                                     "costs beyond the engine steps (request_overhead_s, token_overhead_s) and, on a "
                                     "CPU host, the CPU each streamed token costs beside the steps (stream_cpu_s), "
-                                    "what the serve keeps busy idle (background_cores, worker_background_cores) "
+                                    "what the serve keeps busy idle (background_cores, worker_background_cores), "
+                                    "a served step's slowdown beside another engine (oversubscribed_slowdown) "
                                     "and what idle costs the next step and request (cold_step_s, cold_request_s)")
     cal.add_argument("--disagg-url", help="a running disaggregated `brigade serve` of the same preset: measure what "
                                           "its requests cost beyond --url's (handoff_overhead_s) and, on a CPU "
@@ -305,7 +306,8 @@ def _calibrate(args: argparse.Namespace) -> int:
               f"{profile.token_overhead_s * 1000:.2f} ms per streamed token beyond the engine's, and "
               f"{profile.stream_cpu_s * 1000:.2f} ms of CPU beside it per streamed token; with no request in "
               f"flight the serve keeps {profile.background_cores:.3f} cores busy and each worker "
-              f"{profile.worker_background_cores:.3f} more{_idle_costs(profile)} ({seen})")
+              f"{profile.worker_background_cores:.3f} more; a step among more jobs than cores does its work "
+              f"{profile.oversubscribed_slowdown:.2f}x slower{_idle_costs(profile)} ({seen})")
         _warn_stolen(seen["steal_share"], "the colocated serve's measurement")
     if args.disagg_url:
         profile, seen = measure_serving(args.disagg_url, profile, shape, disaggregated=True, timer=timer)

@@ -10,7 +10,9 @@ work) at min(1, cores / jobs running) until its work is done; a job that joins o
 changes the rate of all the others, so their ends are re-planned then. The serve's own
 processes keep `background` cores busy with no request in flight (Ray's, Redis's and the
 workers' polling and heartbeats: DeviceProfile.background_cores): while the jobs fit beside it
-each still has a core, and when they do not they share what it leaves.
+each still has a core, and when they do not they share what it leaves, and a step among them
+does its work `oversubscribed_slowdown` times slower (the threads that preempt it on its core
+take its caches too: DeviceProfile.oversubscribed_slowdown).
 
 A fair share is not all a step loses there: a step computing prompt tokens while another
 worker's step decodes waits on the run queue far longer than the serving path's CPU time
@@ -84,7 +86,8 @@ class _Job:
 class CpuHost:
     def __init__(self, cores: float, corun_slowdown: float = 1.0, corun_wait_s: float = 0.0,
                  decode_corun_slowdown: float = 1.0, corun_wait_per_answer_s: float = 0.0,
-                 corun_span_s: float | None = None, background: float = 0.0):
+                 corun_span_s: float | None = None, background: float = 0.0,
+                 oversubscribed_slowdown: float = 1.0):
         if cores <= 0:
             raise ValueError(f"a host needs cores > 0, not {cores}")
         if not 0 <= background < cores:
@@ -99,12 +102,15 @@ class CpuHost:
             raise ValueError(f"corun_wait_per_answer_s is a wait (>= 0), not {corun_wait_per_answer_s}")
         if decode_corun_slowdown < 1:
             raise ValueError(f"decode_corun_slowdown is a slowdown (>= 1), not {decode_corun_slowdown}")
+        if oversubscribed_slowdown < 1:
+            raise ValueError(f"oversubscribed_slowdown is a slowdown (>= 1), not {oversubscribed_slowdown}")
         if corun_span_s is not None and corun_span_s <= 0:
             raise ValueError(f"corun_span_s is a time (> 0) or None (the whole step), not {corun_span_s}")
         self.cores, self.corun_slowdown, self.corun_wait_s = cores, corun_slowdown, corun_wait_s
         self.decode_corun_slowdown, self.corun_wait_per_answer_s = decode_corun_slowdown, corun_wait_per_answer_s
         self.corun_span_s = corun_span_s
         self.background = background  # cores the serve's idle polling keeps busy (DeviceProfile.background_cores)
+        self.oversubscribed_slowdown = oversubscribed_slowdown
         self.cpu_s = 0.0  # work done, all jobs together
         self._jobs: list[_Job] = []
         self._since = 0.0  # when the jobs' left_s were last brought up to date
@@ -126,11 +132,14 @@ class CpuHost:
         return min(1.0, (self.cores - self.background) / len(self._jobs)) if self._jobs else 1.0
 
     def _rate(self, job: _Job) -> float:
-        """`job`'s own rate from now on: the fair share, at most 1 / corun_slowdown for a prompt
+        """`job`'s own rate from now on: the fair share (a step's divided by oversubscribed_slowdown
+        while more jobs run than the background leaves cores), at most 1 / corun_slowdown for a prompt
         step of no answers of its own beside another step that decodes (within corun_span_s of
         its start), and 1 / decode_corun_slowdown for a receiving worker's decode step beside a
         prompt step."""
         share = self.rate()
+        if job.step and len(self._jobs) > self.cores - self.background:
+            share /= self.oversubscribed_slowdown
         if self._capped(job):
             return min(share, 1.0 / self.corun_slowdown)
         if (job.receiving and job.decode and self.decode_corun_slowdown > 1

@@ -110,6 +110,7 @@ class Fleet:
         self.cpu = CpuHost(d.host_cores, corun_slowdown=d.corun_slowdown, corun_span_s=d.corun_span_s,
                            decode_corun_slowdown=d.decode_corun_slowdown,
                            background=d.background_cores + d.worker_background_cores * ranks,
+                           oversubscribed_slowdown=d.oversubscribed_slowdown,
                            **(waits if cfg.mode == "disaggregated" else {})) if d.host_cores else None
 
     def _worker(self, worker_id: str, role: str, tp: int) -> SimWorker:

@@ -118,6 +118,13 @@ class DeviceProfile(_Frozen):
     # the decode worker's own threads: its reservation, the KV pull, the admit). calibrate
     # --disagg-url fits it from the co-run scene's answer, streamed beside the hits and alone; 1: none.
     decode_corun_slowdown: float = Field(1.0, ge=1)
+    # On host_cores: while more jobs are runnable than the cores the background leaves, every
+    # step does its work this much slower (its core shared with the threads that preempt it,
+    # its caches refilled after them). calibrate --url times a served worker's decode steps'
+    # CPU (its step log) with an engine stepping beside it in another process, against alone:
+    # on the 2-core Xeon here two colocated workers' decode steps of one sequence took 16.1 ms
+    # of CPU under load and 14.0 one answer at a time. 1: none (the GPUs).
+    oversubscribed_slowdown: float = Field(1.0, ge=1)
     # A request's serving-path time beyond its median on a CPU host (thread wake-ups, run-queue
     # waits, Ray's and gRPC's queues): quantiles at evenly spaced probabilities from 0 to 1, in
     # seconds from the median, each request drawing one (FleetConfig.seed). calibrate

@@ -8,6 +8,8 @@ percent within minutes, and a fit taken earlier put the whole drift into the ser
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from itertools import count
 
 from engine.llm_engine import LLMEngine
@@ -101,3 +103,46 @@ class StepTimer:
                 raise RuntimeError(f"the decode batch of {batch} ran out of its {self.decode_budget} steps")
             times.append(self._timed(engine))
         return times
+
+
+def _keep_stepping(preset: str, dtype: str, context: int, busy, ready, stop) -> None:
+    """EngineBeside's process: one decode sequence, stepped while `busy` is set, until `stop`."""
+    timer = StepTimer(preset, dtype, context=context, decode_budget=4096 - context - 1, threads=1)
+    timer.decode(1, 1)
+    ready.set()
+    while not stop.is_set():
+        if busy.wait(0.05):
+            timer.decode(1, 1)
+
+
+class EngineBeside:
+    """An engine stepping one decode sequence (one torch thread) in a process of its own while
+    `stepping()` holds: what another worker's decode steps put beside a served worker's, for
+    calibrate --url's oversubscribed_slowdown. About 4,000 steps in all."""
+
+    def __init__(self, preset: str, dtype: str = "auto", context: int = 32, start_timeout_s: float = 120.0):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch state forked
+        self._busy, self._stop, ready = ctx.Event(), ctx.Event(), ctx.Event()
+        self._proc = ctx.Process(target=_keep_stepping, args=(preset, dtype, context, self._busy, ready, self._stop),
+                                 daemon=True)
+        self._proc.start()
+        if not ready.wait(start_timeout_s):
+            self.close()
+            raise RuntimeError(f"the engine beside did not start within {start_timeout_s:g} s")
+
+    @contextmanager
+    def stepping(self) -> Iterator[None]:
+        self._busy.set()
+        try:
+            yield
+        finally:
+            self._busy.clear()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()

@@ -85,7 +85,7 @@ def test_sim_calibrate_measures_the_serving_path_of_brigade_serve(base_url: str)
     engine_fit = DeviceProfile(name="this-machine", peak_flops=20e9, mem_bw=20e9, mem_bytes=8e9,
                                step_overhead_s=0.001, dtype_bytes=4, host_cores=2.0)
     short = {"requests": 3, "long_len": 68, "decode_tokens": 12, "streams": 2, "rounds": 1, "stream_rounds": 1,
-             "cold_rounds": 1}
+             "cold_rounds": 1, "oversubscribed_rounds": 1}
     # As `brigade sim calibrate` measures: against the engine's own steps timed in this process at
     # the same moment. Without it the prompts' steps were the profile's, with the serving terms
     # just measured from one short streaming round added; on a loaded CI run those came out above
@@ -109,6 +109,10 @@ def test_sim_calibrate_measures_the_serving_path_of_brigade_serve(base_url: str)
     # what the serve keeps busy idle, beside the workers and per worker, in the profile's core slots
     slots = engine_fit.host_cores / len(os.sched_getaffinity(0))
     assert colocated.background_cores == pytest.approx(max(0.0, seen["idle_cpu_rate"]) * slots)
+    # a served decode step's CPU with an engine stepping beside it in another process, and alone
+    assert seen["served_decode_step_cpu_alone_s"] > 0 and seen["served_decode_step_cpu_beside_s"] > 0
+    assert colocated.oversubscribed_slowdown == pytest.approx(
+        max(1.0, seen["served_decode_step_cpu_beside_s"] / seen["served_decode_step_cpu_alone_s"]))
     assert seen["idle_workers"] >= 1 and seen["worker_idle_cpu_rate"] >= 0
     assert colocated.worker_background_cores == pytest.approx(
         seen["worker_idle_cpu_rate"] / seen["idle_workers"] * slots)
@@ -146,5 +150,6 @@ def test_sim_calibrate_measures_the_serving_path_of_brigade_serve(base_url: str)
         assert seen["measured_answer_gap_quiet_s"] > 0 and seen["measured_answer_gap_beside_s"] > 0
         assert 1.0 <= disagg.decode_corun_slowdown <= 4.0
     keep = ("request_overhead_s", "request_overhead_per_token_s", "token_overhead_s", "worker_step_overhead_s",
-            "stream_cpu_s", "cold_step_s", "cold_request_s", "background_cores", "worker_background_cores")
+            "stream_cpu_s", "cold_step_s", "cold_request_s", "background_cores", "worker_background_cores",
+            "oversubscribed_slowdown")
     assert {k: getattr(disagg, k) for k in keep} == {k: getattr(colocated, k) for k in keep}

@@ -11,14 +11,14 @@ from sim.cpu_host import CpuHost
 
 
 def _ends(cores: float, jobs: list[tuple[float, float]], background: list[tuple[float, float]] = (),
-          busy: float = 0.0):
+          busy: float = 0.0, step: bool = False, oversubscribed: float = 1.0):
     """Each (start, cpu seconds) job's end, and the host (`busy`: its background cores), after
     running them all."""
-    host = CpuHost(cores, background=busy)
+    host = CpuHost(cores, background=busy, oversubscribed_slowdown=oversubscribed)
 
     async def job(start: float, cpu_s: float) -> float:
         await asyncio.sleep(start)
-        await host.run(cpu_s)
+        await host.run(cpu_s, step=step)
         return asyncio.get_running_loop().time()
 
     async def spend(start: float, cpu_s: float) -> None:
@@ -94,6 +94,18 @@ def test_the_serves_idle_polling_slows_the_jobs_only_when_they_need_its_cores() 
     assert ends == pytest.approx([1.0, 1.9])  # 0.9 done in 1 s each, then the second alone at full speed
     assert host.cpu_s == pytest.approx(2.7)  # the jobs' work, not the background's
     assert _ends(2, [(0.0, 0.6)] * 3, busy=0.2)[0] == pytest.approx([1.0] * 3)
+
+
+def test_steps_among_more_jobs_than_cores_do_their_work_slower() -> None:
+    """Steps of 1 s on 2 cores with 0.2 busy, oversubscribed_slowdown 1.25: one step alone runs at
+    full speed; two share 1.8 cores and each does its work 1.25x slower (0.72 a second) until the
+    first ends; the serving path's jobs (not steps) only share."""
+    assert _ends(2, [(0.0, 1.0)], busy=0.2, step=True, oversubscribed=1.25)[0] == pytest.approx([1.0])
+    ends, _ = _ends(2, [(0.0, 0.72), (0.0, 1.0)], busy=0.2, step=True, oversubscribed=1.25)
+    assert ends == pytest.approx([1.0, 1.28])  # then the second alone at full speed: 0.28 left
+    assert _ends(2, [(0.0, 0.9)] * 2, busy=0.2, oversubscribed=1.25)[0] == pytest.approx([1.0] * 2)
+    with pytest.raises(ValueError, match="oversubscribed_slowdown"):
+        CpuHost(2, oversubscribed_slowdown=0.9)
 
 
 async def _step_ends_at(host: CpuHost, cpu_s: float, prompt: bool, decode: bool) -> float:
