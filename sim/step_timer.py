@@ -106,19 +106,24 @@ class StepTimer:
 
 
 def _keep_stepping(preset: str, dtype: str, context: int, busy, ready, stop) -> None:
-    """EngineBeside's process: one decode sequence, stepped while `busy` is set, until `stop`."""
-    timer = StepTimer(preset, dtype, context=context, decode_budget=4096 - context - 1, threads=1)
+    """EngineBeside's process: one decode sequence, stepped while `busy` is set, until `stop`
+    (a fresh sequence when one runs out of its budget)."""
+    timer = StepTimer(preset, dtype, context=context, threads=1)
     timer.decode(1, 1)
     ready.set()
     while not stop.is_set():
         if busy.wait(0.05):
-            timer.decode(1, 1)
+            try:
+                timer.decode(1, 1)
+            except RuntimeError:  # its sequence's steps are spent
+                timer = StepTimer(preset, dtype, context=context, threads=1)
 
 
 class EngineBeside:
     """An engine stepping one decode sequence (one torch thread) in a process of its own while
     `stepping()` holds: what another worker's decode steps put beside a served worker's, for
-    calibrate --url's oversubscribed_slowdown. About 4,000 steps in all."""
+    calibrate --url's oversubscribed_slowdown. The process is spawned, which imports the calling
+    program's main module again: a script must keep its work under `if __name__ == "__main__"`."""
 
     def __init__(self, preset: str, dtype: str = "auto", context: int = 32, start_timeout_s: float = 120.0):
         import multiprocessing
