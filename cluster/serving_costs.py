@@ -1,10 +1,10 @@
 """`brigade sim calibrate --url/--disagg-url`: the serving path's costs beyond the engine's
 steps, measured on a running `brigade serve` with loadtest's HTTP target (so it lives at the
 edge: sim/ imports only engine and router), into a device profile's request_overhead_s,
-request_overhead_per_token_s, token_overhead_s, stream_cpu_s (with host_cores, background_cores
-and worker_background_cores),
-handoff_overhead_s, kv_receive_cpu_per_token_s, corun_wait_s, corun_wait_per_answer_s,
-corun_slowdown, corun_span_s, decode_corun_slowdown and request_jitter_s."""
+request_overhead_per_token_s, token_overhead_s, stream_cpu_s (with host_cores, background_cores,
+worker_background_cores and oversubscribed_slowdown), handoff_overhead_s,
+kv_receive_cpu_per_token_s, corun_wait_s, corun_wait_per_answer_s, corun_slowdown, corun_span_s,
+decode_corun_slowdown and request_jitter_s."""
 from __future__ import annotations
 
 import asyncio
