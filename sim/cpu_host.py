@@ -138,7 +138,7 @@ class CpuHost:
         its start), and 1 / decode_corun_slowdown for a receiving worker's decode step beside a
         prompt step."""
         share = self.rate()
-        if job.step and len(self._jobs) > self.cores - self.background:
+        if job.step and share < 1.0:  # more jobs than the cores the background leaves
             share /= self.oversubscribed_slowdown
         if self._capped(job):
             return min(share, 1.0 / self.corun_slowdown)

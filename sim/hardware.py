@@ -151,15 +151,7 @@ class DeviceProfile(_Frozen):
 
     def decode_scale(self, batch: int) -> float:
         """decode_batch_scale at `batch`."""
-        pairs = self.decode_batch_scale
-        if not pairs:
-            return 1.0
-        if batch <= pairs[0][0]:
-            return pairs[0][1]
-        for (b0, s0), (b1, s1) in zip(pairs, pairs[1:]):
-            if batch <= b1:
-                return s0 + (s1 - s0) * (batch - b0) / (b1 - b0)
-        return pairs[-1][1]
+        return _linear(self.decode_batch_scale, batch) if self.decode_batch_scale else 1.0
 
     @field_validator("cold_step_s", "cold_request_s")
     @classmethod
@@ -207,14 +199,17 @@ def _times(x: float | tuple[float, float], factor: float) -> float | tuple[float
 
 def _after_idle(pairs: tuple[tuple[float, float], ...], idle_s: float) -> float:
     """(idle, extra) pairs at `idle_s`: 0 at no idle, linear between, the last beyond."""
-    if not pairs or idle_s <= 0:
-        return 0.0
-    prev = (0.0, 0.0)
-    for idle, extra in pairs:
-        if idle_s <= idle:
-            return prev[1] + (extra - prev[1]) * (idle_s - prev[0]) / (idle - prev[0])
-        prev = (idle, extra)
-    return prev[1]
+    return _linear(((0.0, 0.0), *pairs), idle_s) if pairs else 0.0
+
+
+def _linear(points: tuple[tuple[float, float], ...], x: float) -> float:
+    """The line through (x, y) `points` (rising x) at `x`: the first's y before them, the last's beyond."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return points[-1][1]
 
 
 def _catalog() -> dict:
