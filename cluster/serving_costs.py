@@ -38,6 +38,7 @@ from sim.corun import (
     handoff_to_match,
     jitter_quantiles,
 )
+from sim.corun_joint import refine_jointly
 from sim.cost import Roofline, StepWork
 from sim.hardware import DeviceProfile
 from sim.shapes import ModelShape
@@ -424,6 +425,10 @@ def measure_serving(url: str, profile: DeviceProfile, shape: ModelShape, disaggr
                 fit_seen |= decode_seen
             else:  # decode_corun_slowdown stays as it was
                 fit_seen["decode_fit_skipped"] = "the scene's answer ended before the hits in every round"
+            # Each fit above moved the figures the others had matched: refine them together.
+            profile, joint_seen = refine_jointly(profile, scene, alone, beside, corun_wide_width if wide else None,
+                                                 wide[0] if wide else None, StreamGaps.mean(paces) if paces else None)
+            fit_seen |= joint_seen
             # The short lone hits' only: the simulator times every step as its fit, so their
             # spread is the serving path's; the long hits' holds their 96 more tokens' step noise
             # too (quartiles -4.0 and +4.6 ms about their median against the short's -2.8 and

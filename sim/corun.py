@@ -137,7 +137,7 @@ class StreamGaps(NamedTuple):
 def hit_ttfts(profile: DeviceProfile, scene: HitScene, width: int | None = None) -> HitTtfts:
     """The scene's simulated median TTFTs (beside `width` streams; None: the scene's), over
     its phases."""
-    return _simulate(profile, scene, scene.width if width is None else width)[0]
+    return simulate_scene(profile, scene, scene.width if width is None else width)[0]
 
 
 def stream_gaps(profile: DeviceProfile, scene: HitScene) -> StreamGaps | None:
@@ -145,10 +145,12 @@ def stream_gaps(profile: DeviceProfile, scene: HitScene) -> StreamGaps | None:
     (None where it ended before the hits: a model that fast needs a longer answer to time)."""
     if scene.width < 1:
         raise ValueError("a scene of no answer streams none to time")
-    return _simulate(profile, scene, scene.width)[1]
+    return simulate_scene(profile, scene, scene.width)[1]
 
 
-def _simulate(profile: DeviceProfile, scene: HitScene, width: int) -> tuple[HitTtfts, StreamGaps | None]:
+def simulate_scene(profile: DeviceProfile, scene: HitScene, width: int) -> tuple[HitTtfts, StreamGaps | None]:
+    """The scene beside `width` answers, simulated: its hits' median TTFTs by kind, and its first
+    answer's pace (None without one, or where it ended before the hits), over its phases."""
     hit = scene.hit_prompt()
     # Only the hits' times change from phase to phase.
     around = [SimSession("warm", 0.0, ((hit, 2),))]

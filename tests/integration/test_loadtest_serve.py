@@ -149,6 +149,9 @@ def test_sim_calibrate_measures_the_serving_path_of_brigade_serve(base_url: str)
     else:
         assert seen["measured_answer_gap_quiet_s"] > 0 and seen["measured_answer_gap_beside_s"] > 0
         assert 1.0 <= disagg.decode_corun_slowdown <= 4.0
+    # the terms refined together on the whole scene, never further from it than the fits one by one
+    assert seen["joint_miss_after"] <= seen["joint_miss_before"] and seen["joint_passes"] >= 1
+    assert seen["joint_growth_short_s"] is not None and "joint_growth_3_short_s" in seen
     keep = ("request_overhead_s", "request_overhead_per_token_s", "token_overhead_s", "worker_step_overhead_s",
             "stream_cpu_s", "cold_step_s", "cold_request_s", "background_cores", "worker_background_cores",
             "oversubscribed_slowdown")
