@@ -77,6 +77,7 @@ class DeviceProfile(_Frozen):
     # it in: the router's call to the decode actor, its push request to the prefill worker, the
     # pull thread's and the engine loop's wake-ups (calibrate --disagg-url: the gap from the first
     # token to the second, less a steady token's; 20-30 ms on the Zen3 machine here; 0 for the GPUs).
+    # On a CPU host it is work on the cores the steps share (sim/worker.py), else a latency.
     decode_admit_overhead_s: float = Field(0.0, ge=0)
     # Per KV token a disaggregated decode worker receives, the CPU its pull thread spends taking
     # it in (beside the link's time), on host_cores (calibrate --disagg-url; 0 for the GPUs: a

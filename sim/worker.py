@@ -6,7 +6,8 @@ sim/cpu_host.py), finish it, wake whoever waits on its sequences. A reservation 
 step in flight, as the real decode worker's does. Its cache
 events reach the in-memory index `publish_delay_s` later (the real publisher batches them).
 A decode worker pulls a request's KV from its prefill worker over the configured link
-(after the profile's `decode_admit_overhead_s`, the calls that start the pull; then bytes /
+(after the profile's `decode_admit_overhead_s`, the calls that start the pull, work on a CPU
+host's cores; then bytes /
 bandwidth + latency; on a CPU host, then the CPU its pull thread spends per KV token taking it
 in), then admits it into the blocks it reserved. `kill()` makes a
 worker die as a Ray actor does: its calls raise WorkerLost and the router migrates the
@@ -223,8 +224,11 @@ class SimWorker:
             if first is None:
                 seq = self.engine.add(req)
             else:
-                if self.admit_overhead_s:  # the calls and wake-ups before the pull (a latency, not work)
-                    await asyncio.sleep(self.admit_overhead_s)
+                if self.admit_overhead_s:  # the calls that take the request in and start the pull
+                    # On a CPU host they are work on its cores, stretched when the steps keep them busy
+                    # (sim/cpu_host.py); on a device's host, a latency.
+                    await (self.cpu.run(self.admit_overhead_s) if self.cpu is not None
+                           else asyncio.sleep(self.admit_overhead_s))
                     self._check()
                 start = asyncio.get_running_loop().time()
                 nbytes = await self.network.workers[prefill.worker_id].send_kv(rid)
