@@ -126,7 +126,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                                           "host, how much a prompt step slows beside another worker's "
                                           "(corun_wait_s and corun_slowdown, from prefix hits of two lengths "
                                           "alone and beside a stream; corun_wait_per_answer_s, beside three) "
-                                          "and the stream beside them (decode_corun_slowdown)")
+                                          "and the stream beside them (decode_corun_slowdown), then all of "
+                                          "them refined together on the whole scene (sim/corun_joint.py)")
     cal.add_argument("--serving-only", action="store_true",
                      help="keep the engine fit already in --out, measure only the serving path (--url, --disagg-url)")
     cal.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
@@ -244,6 +245,14 @@ def _idle_costs(profile) -> str:
             f"serving path {ms(profile.cold_request_s)} ms more")
 
 
+def _joint(seen: dict) -> str:
+    """The co-run terms' joint refinement, where the scene was measured (a CPU host)."""
+    if "joint_miss_before" not in seen:
+        return ""
+    return (f"; the co-run terms refined together took the scene's miss from {seen['joint_miss_before'] * 1e6:.1f} "
+            f"to {seen['joint_miss_after'] * 1e6:.1f} ms^2")
+
+
 def _spread_ms(quantiles: tuple[float, ...]) -> str:
     """request_jitter_s's range about the median, in ms."""
     if not quantiles:
@@ -320,7 +329,8 @@ def _calibrate(args: argparse.Namespace) -> int:
               f"and {profile.corun_wait_per_answer_s * 1000:.1f} ms more per answer it decodes beyond the first, "
               f"then gets at most 1/{profile.corun_slowdown:.2f} of a core{_span(profile.corun_span_s)}, and a decode "
               f"step beside another worker's prompt step at most 1/{profile.decode_corun_slowdown:.2f}; a request's "
-              f"serving path spreads {_spread_ms(profile.request_jitter_s)} ms about its median ({seen})")
+              f"serving path spreads {_spread_ms(profile.request_jitter_s)} ms about its median{_joint(seen)} "
+              f"({seen})")
         if seen.get("at_bound"):
             print(f"warning: the co-run fit stopped at a bound (wait {profile.corun_wait_s * 1000:.0f} ms, slowdown "
                   f"{profile.corun_slowdown:g}): the hits beside streams grew "
