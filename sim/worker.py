@@ -7,9 +7,8 @@ step in flight, as the real decode worker's does. Its cache
 events reach the in-memory index `publish_delay_s` later (the real publisher batches them).
 A decode worker pulls a request's KV from its prefill worker over the configured link
 (after the profile's `decode_admit_overhead_s`, the calls that start the pull, work on a CPU
-host's cores; then bytes /
-bandwidth + latency; on a CPU host, then the CPU its pull thread spends per KV token taking it
-in), then admits it into the blocks it reserved. `kill()` makes a
+host's cores; then bytes / bandwidth + latency; on a CPU host, then the CPU its pull thread
+spends per KV token taking it in), then admits it into the blocks it reserved. `kill()` makes a
 worker die as a Ray actor does: its calls raise WorkerLost and the router migrates the
 requests (a KV pull from a dead prefill worker migrates too, where a real decode worker would
 recompute the prompt itself).

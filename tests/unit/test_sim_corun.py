@@ -21,13 +21,9 @@ from sim.corun import (
     jitter_quantiles,
     stream_gaps,
 )
-from sim.hardware import load_device
+from tests.sim_helpers import CORUN_HOST as HOST
+from tests.sim_helpers import CORUN_SCENE as SCENE
 
-# About this machine's speed (the 2-core Zen3 in float32): steps of tens of ms, as measured
-HOST = load_device("cpu-2core").model_copy(update={
-    "name": "host", "host_cores": 2.0, "stream_cpu_s": 0.004, "peak_flops": 6e10, "mem_bw": 1e11,
-    "step_overhead_s": 0.017, "seq_overhead_s": 0.002})
-SCENE = HitScene("bench", width=1, hits=12, stream_len=400, cold=False)  # short and long hits; the stream outlasts them
 GRID = {"slowdowns": (1.0, 1.3, 1.6, 2.0), "waits_s": (0.0, 0.01, 0.02, 0.03)}  # the default's is finer
 
 

@@ -5,15 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from sim.corun import HitScene, HitTtfts, fit_decode_corun, hit_ttfts, stream_gaps
+from sim.corun import HitTtfts, fit_decode_corun, hit_ttfts, stream_gaps
 from sim.corun_joint import PACE_WEIGHT_S, SceneFit, refine_jointly
-from sim.hardware import load_device
+from tests.sim_helpers import CORUN_HOST as HOST
+from tests.sim_helpers import CORUN_SCENE as SCENE
 
-# The host of test_sim_corun (about the 2-core Zen3's speed in float32)
-HOST = load_device("cpu-2core").model_copy(update={
-    "name": "host", "host_cores": 2.0, "stream_cpu_s": 0.004, "peak_flops": 6e10, "mem_bw": 1e11,
-    "step_overhead_s": 0.017, "seq_overhead_s": 0.002})
-SCENE = HitScene("bench", width=1, hits=12, stream_len=400, cold=False)
 GRIDS = {"corun_wait_s": (0.0, 0.01, 0.02), "corun_slowdown": (1.0, 1.3, 1.6),
          "decode_corun_slowdown": (1.0, 2.0, 3.0)}
 MADE = {"corun_wait_s": 0.01, "corun_slowdown": 1.3, "decode_corun_slowdown": 3.0}
