@@ -8,6 +8,16 @@ got the target's KV from a prefill worker) and proposes the first token; k - 1 o
 passes propose the rest. Its proposals are drawn from the same sampling parameters' filtered
 distribution as the target's (argmax for greedy requests), whose rows go to verification.
 
+That first pass holds at most `chunk_tokens` tokens (the engine's max_num_batched_tokens), so
+a step's draft work stays as bounded as the target's: mirrors that are caught up go first,
+then the ones catching up (a prompt, or steps without proposals), oldest request first, whole
+while they fit; the first that does not fit computes what is left of the budget (a catch-up
+chunk) and proposes in a later step, once caught up; the rest wait. A request with no
+proposals decodes one token as without speculation, so the tokens are the same either way.
+Each later pass holds one token per proposing mirror, fewer than the first pass had. While
+the target prefills a prompt, the speculator asks for no proposals (k 0) and the draft uses
+what is left of its budget to catch up on that prompt, so it can propose from the first decode.
+
 Disaggregated with speculative.draft_kv "ship", the prompt's draft KV is computed where the
 target's is: a prefill engine's drafter computes it (export_prompt) and it travels with the
 target's KV; the decode engine's drafter reserves blocks for it (reserve), has it written into
@@ -35,22 +45,25 @@ class DraftModelDrafter:
                  model_id: str, sampler: Sampler, chunk_tokens: int = 2048):
         self.runner, self.pool, self.cache = runner, pool, cache
         self.block_size, self.model_id, self.sampler = block_size, model_id, sampler
-        self.chunk_tokens = chunk_tokens  # export_prompt's pass size: the step budget bounds its activations
+        # Tokens of one step's first draft pass, and export_prompt's pass size: the step budget
+        # bounds the draft's activations and how long co-batched decodes wait for it.
+        self.chunk_tokens = chunk_tokens
         self.mirrors: dict[str, Sequence] = {}
         self.reserved: dict[str, list[int]] = {}  # decode role: blocks an incoming draft KV goes into
         self.computed_tokens = 0  # tokens the draft model ran, prompts and proposals (stats)
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         props = [Proposal([]) for _ in seqs]
-        live = [(i, self._sync(seq, k)) for i, (seq, k) in enumerate(zip(seqs, ks)) if k]
-        live = [(i, m) for i, m in live if m is not None]
+        synced = [(i, self._sync(seq, k)) for i, (seq, k) in enumerate(zip(seqs, ks))]
+        live, catch_up = self._share_budget([(i, m) for i, m in synced if m is not None], ks)
         probs: dict[int, list[torch.Tensor]] = {i: [] for i, _ in live}
         while live:
-            batch = [ScheduledSeq(m, m.num_tokens - m.num_computed) for _, m in live]
+            batch = [ScheduledSeq(m, m.num_tokens - m.num_computed) for _, m in live] + catch_up
+            catch_up = []  # chunks ride the first pass only, and get no logits row
             # Decodes first (the runner packs them first), then catch-ups by length (grouped).
             batch.sort(key=lambda s: (s.num_new_tokens != 1, s.num_new_tokens))
-            order = {id(s.seq): j for j, s in enumerate(batch)}
-            logits = self.runner.run(batch)  # (B, V), rows in batch order
+            order = {id(s.seq): j for j, s in enumerate(s for s in batch if s.samples)}
+            logits = self.runner.run(batch)  # (B, V), a row per sampling mirror in batch order
             self.computed_tokens += sum(s.num_new_tokens for s in batch)
             for s in batch:
                 s.seq.num_computed += s.num_new_tokens
@@ -66,10 +79,42 @@ class DraftModelDrafter:
                 if len(props[i].tokens) < ks[i]:
                     nxt.append((i, m))
             live = nxt
+        if catch_up:  # no mirror proposes: only catch-up chunks compute this step
+            self.runner.run(sorted(catch_up, key=lambda s: (s.num_new_tokens != 1, s.num_new_tokens)))
+            for s in catch_up:
+                self.computed_tokens += s.num_new_tokens
+                s.seq.num_computed += s.num_new_tokens
         for i, qs in probs.items():
             if qs:
                 props[i].probs = torch.stack(qs)  # (k, V)
         return props
+
+    def _share_budget(self, mirrors: list[tuple[int, Sequence]], ks: list[int]) -> tuple[
+            list[tuple[int, Sequence]], list[ScheduledSeq]]:
+        """This step's first pass within chunk_tokens: the mirrors that compute all they have not
+        seen and propose (back in request order), and catch-up chunks, which propose in a later
+        step (no logits row: a chunk stops short of its mirror's last token). A mirror asked
+        for no proposals (k 0: its target is prefilling) catches up to its last token; one that
+        does not fit takes what is left of the budget. Mirrors within a step's proposals of the
+        target go first, so a long catch-up never stops the others proposing; catch-ups then go
+        oldest request first, so each finishes and none starves."""
+        def order(im: tuple[int, Sequence]) -> tuple[bool, int]:
+            i, m = im
+            return m.num_tokens - m.num_computed > ks[i] + 1, m.arrival
+
+        budget, live, chunks = self.chunk_tokens, [], []
+        for i, m in sorted(mirrors, key=order):
+            unseen = m.num_tokens - m.num_computed
+            if ks[i] and unseen <= budget:
+                live.append((i, m))
+                budget -= unseen
+                continue
+            n = min(unseen - 1, budget)
+            if n > 0:
+                chunks.append(ScheduledSeq(m, n))
+                budget -= n
+        live.sort(key=lambda im: im[0])
+        return live, chunks
 
     def _draw(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]):
         """Proposal tokens from the draft's logits (N, V) at these output positions, and each one's

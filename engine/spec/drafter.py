@@ -27,7 +27,8 @@ class Drafter(Protocol):
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         """Up to ks[i] tokens to follow seqs[i].token_ids (fewer, or none, when it has no guess
-        or no room); one Proposal per sequence, in order."""
+        or no room); one Proposal per sequence, in order. ks[i] 0 asks for none (the sequence
+        is prefilling): a drafter that keeps per-request state may use it to catch up."""
 
     def release(self, request_id: str) -> None:
         """The request left the engine (finished, aborted, failed): free what is kept for it."""

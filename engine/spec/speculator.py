@@ -10,8 +10,19 @@ blocks only the rejected ones used, before the scheduler counts computed tokens 
 full blocks to the prefix cache: rejected tokens' KV is never cached. rewind() then leaves
 the accepted run off the sequence so the engine appends it token by token with its usual
 stop checks (stop strings, stop tokens, max_tokens landing inside the run).
+
+A drafter is an optimisation, so its failures never fail a request: when propose() raises,
+each request is drafted alone to find whose input broke it; a request whose drafting fails
+gets no proposals this step (it decodes one token, as without speculation), its draft state
+is dropped and the failure is logged once with a log id. After MAX_DRAFT_FAILURES a request
+decodes without proposals to its end. When drafting fails for every one of two or more
+requests in MAX_DRAFT_FAILURES steps in a row, the drafter itself is broken (its model's
+forward, not any one request's input): speculation is off for the engine's life, logged once.
 """
 from __future__ import annotations
+
+import logging
+import uuid
 
 import torch
 
@@ -20,9 +31,14 @@ from engine.config import EngineConfig, Role, SpeculativeConfig
 from engine.model_config import ModelConfig
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledSeq
+from engine.sequence import Sequence
 from engine.spec.adaptive import AdaptiveK
 from engine.spec.drafter import Drafter, Proposal
 from engine.spec.rejection import verify_batch
+
+log = logging.getLogger(__name__)
+
+MAX_DRAFT_FAILURES = 3  # a request's failed draftings, and the steps in a row the whole drafter failed
 
 
 class Speculator:
@@ -32,17 +48,23 @@ class Speculator:
         self.sampler, self.max_model_len, self.max_batched_tokens = sampler, max_model_len, max_batched_tokens
         self.policy = AdaptiveK(cfg)
         self.proposals: dict[str, Proposal] = {}  # this step's, by request id
+        self.draft_failures: dict[str, int] = {}  # by request id, while it runs
+        self.failed_steps = 0  # steps in a row in which drafting failed for every request
+        self.num_draft_failures = 0  # (stats)
+        self.off = False  # the drafter failed for everyone too often: no more proposals
 
     def propose(self, batch: list[ScheduledSeq]) -> None:
         """Extend eligible decodes of `batch` with proposals (in place; the batch is re-packed
         plain decodes first, as the runner wants)."""
+        if self.off:
+            return
         decodes = [s for s in batch if s.num_new_tokens == 1 and s.samples]
         compute_bound = len(decodes) > self.cfg.max_batch
         room = self.max_batched_tokens - sum(s.num_new_tokens for s in batch)
         cands, ks = [], []
         for s in decodes:
             seq, p = s.seq, s.seq.params
-            if not p.speculate or seq.num_tokens == seq.num_prompt_tokens or room <= 0:
+            if not self._speculates(seq) or seq.num_tokens == seq.num_prompt_tokens or room <= 0:
                 continue
             if compute_bound and (p.seed is None or p.greedy):  # a seeded sample keeps its k: batch-independent
                 continue
@@ -52,9 +74,11 @@ class Speculator:
                 cands.append(s)
                 ks.append(k)
                 room -= k
-        if not cands:
+        # Prefill chunks ask for no proposals: a draft model catches up on their prompts meanwhile.
+        warm = [s for s in batch if (s.num_new_tokens > 1 or not s.samples) and self._speculates(s.seq)]
+        if not cands and not warm:
             return
-        for s, prop in zip(cands, self.drafter.propose([s.seq for s in cands], ks)):
+        for s, prop in zip(cands, self._draft(cands + warm, ks + [0] * len(warm))):
             k = len(prop.tokens)
             seq = s.seq
             need = -(-(seq.num_tokens + k) // self.block_size) - len(seq.block_table)
@@ -69,6 +93,54 @@ class Speculator:
         # length (the runner attends each run of equal length in one call), then prefill chunks.
         batch.sort(key=lambda s: (s.num_new_tokens != 1, not s.num_draft, s.num_draft,
                                   s.seq.num_computed if s.num_new_tokens == 1 or s.num_draft else 0))
+
+    def _speculates(self, seq: Sequence) -> bool:
+        p = seq.params
+        return p.speculate and p.max_tokens > 1 and self.draft_failures.get(seq.request_id, 0) < MAX_DRAFT_FAILURES
+
+    def _draft(self, cands: list[ScheduledSeq], ks: list[int]) -> list[Proposal]:
+        """The drafter's proposals for cands; an empty one for each request whose drafting fails."""
+        seqs = [s.seq for s in cands]
+        try:
+            props = self.drafter.propose(seqs, ks)
+            self.failed_steps = 0
+            return props
+        except Exception as exc:  # whose input broke it? each alone says
+            batch_exc = exc
+        props, failed = [], 0
+        for seq, k in zip(seqs, ks):
+            try:
+                props += self.drafter.propose([seq], [k])
+            except Exception as exc:
+                failed += 1
+                self._draft_failed(seq.request_id, exc)
+                props.append(Proposal([]))
+        if failed < len(seqs):
+            self.failed_steps = 0
+            if not failed:  # the batch failed, yet each alone drafted: say so once
+                log.warning("drafting a batch of %d failed, each request alone drafted (log id %s)",
+                            len(seqs), uuid.uuid4().hex[:12], exc_info=batch_exc)
+        elif failed > 1:
+            self.failed_steps += 1
+            if self.failed_steps >= MAX_DRAFT_FAILURES:
+                self.off = True
+                log.error("the %s drafter failed for every request in %d steps in a row: speculative "
+                          "decoding is off for this engine (requests decode one token per step); "
+                          "check the draft model, then restart the engine", self.cfg.method, self.failed_steps)
+        return props
+
+    def _draft_failed(self, request_id: str, exc: Exception) -> None:
+        """No proposals for this request this step; its draft state goes (the next try starts clean)."""
+        self.num_draft_failures += 1
+        n = self.draft_failures[request_id] = self.draft_failures.get(request_id, 0) + 1
+        after = "it decodes without proposals to its end" if n >= MAX_DRAFT_FAILURES else \
+            "it decodes without proposals this step"
+        log.error("drafting for request %s failed (%d of %d); %s (log id %s)", request_id, n,
+                  MAX_DRAFT_FAILURES, after, uuid.uuid4().hex[:12], exc_info=exc)
+        try:
+            self.drafter.release(request_id)
+        except Exception:
+            log.exception("releasing the draft state of request %s failed", request_id)
 
     def verify(self, items: list[tuple[ScheduledSeq, torch.Tensor]]) -> list[list[int] | Exception]:
         """(proposing sequence, its logits (k+1, V)) -> the tokens each emits (accepted + one), or
@@ -125,11 +197,13 @@ class Speculator:
 
     def forget(self, request_id: str) -> None:
         self.policy.forget(request_id)
+        self.draft_failures.pop(request_id, None)
         self.drafter.release(request_id)
         self.proposals.pop(request_id, None)
 
     def stats(self) -> dict:
-        return {"speculative": self.cfg.method, **self.drafter.stats()}
+        return {"speculative": self.cfg.method, "spec_drafter_off": self.off,
+                "spec_draft_failures": self.num_draft_failures, **self.drafter.stats()}
 
 
 def build_speculator(cfg: EngineConfig, target: ModelConfig, pool: BlockPool, sampler: Sampler,
