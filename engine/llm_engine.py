@@ -22,7 +22,7 @@ from engine.config import EngineConfig, Role
 from engine.engine_setup import EngineParts, build_parts
 from engine.outputs import KVExport, RequestOutput, Usage
 from engine.radix_cache import CacheStats
-from engine.request_checks import check_fits, check_request
+from engine.request_checks import check_fits, check_request, check_strings, check_text
 from engine.sampler import token_logprobs
 from engine.sampling import InvalidRequest, SamplingParams, TokenLogprobs
 from engine.scheduler import ScheduledSeq
@@ -83,6 +83,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.seqs or request_id in self.prefilled or request_id in self.reservations:
             raise InvalidRequest("request_id", f"request {request_id!r} is already in this engine")
+        check_strings(prompt, params, cache_salt)  # checked or not: before the tokenizer sees them
         token_ids = self.tokenize(prompt)
         if checked:
             check_fits(token_ids, params, block_size=self.block_size, num_blocks=self.pool.num_blocks,
@@ -392,6 +393,8 @@ class LLMEngine:
         try:
             check_fits(prompt_token_ids, params, block_size=self.block_size, num_blocks=self.pool.num_blocks,
                        vocab_size=self.model_config.vocab_size)
+            if cache_salt is not None:
+                check_text(cache_salt, "cache_salt")
         except InvalidRequest:
             self.pool.release(self.reservations.pop(request_id, []))
             if self.draft_kv is not None:
