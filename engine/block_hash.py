@@ -8,6 +8,9 @@ where t_1..t_n are the block's token ids. A hash therefore names the whole prefi
 and including its block, for one model. A request with a cache salt (a tenant's) starts its
 chain from `salted_root(salt)` = SHA-256(b"brigade-salt-v1" || salt (UTF-8)) instead of
 ROOT, so no block of it is ever shared with another salt or with unsalted requests.
+Strings are encoded with "surrogatepass": valid text gives its UTF-8 bytes, and a lone surrogate
+(which strict UTF-8 refuses) its own three bytes, which no valid text encodes to, so hashing is
+total over every Python str and distinct strings still name distinct chains.
 Test vectors are in docs/ARCHITECTURE.md and tests/unit/test_block_hash.py.
 """
 from __future__ import annotations
@@ -23,11 +26,11 @@ _SALT_DOMAIN = b"brigade-salt-v1"
 
 def salted_root(salt: str | None) -> bytes:
     """The parent of a request's first block: ROOT, or a per-salt root when it has a salt."""
-    return ROOT if not salt else hashlib.sha256(_SALT_DOMAIN + salt.encode()).digest()
+    return ROOT if not salt else hashlib.sha256(_SALT_DOMAIN + _utf8(salt)).digest()
 
 
 def block_hash(parent: bytes, tokens: Sequence[int], model_id: str) -> bytes:
-    mid = model_id.encode()
+    mid = _utf8(model_id)
     h = hashlib.sha256(_DOMAIN)
     h.update(struct.pack("<I", len(mid)))
     h.update(mid)
@@ -43,3 +46,8 @@ def chain_hashes(tokens: Sequence[int], block_size: int, model_id: str, parent: 
         parent = block_hash(parent, tokens[start : start + block_size], model_id)
         out.append(parent)
     return out
+
+
+def _utf8(text: str) -> bytes:
+    """UTF-8 that never raises: a step must not fail on a string a client chose."""
+    return text.encode("utf-8", "surrogatepass")

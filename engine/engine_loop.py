@@ -25,13 +25,15 @@ log = logging.getLogger(__name__)
 
 
 class EngineDied(RuntimeError):
-    """The loop stopped on an exception in a step: every request it held failed with this, and
+    """The loop stopped on an exception in a step that is no one request's (the model's forward
+    over the whole batch, the loop's own bookkeeping): every request it held failed with this, and
     so does every later call. Callers treat it as a dead worker (the router migrates the request)."""
 
 
 class RequestFailed(RuntimeError):
-    """One request failed in a step (its sampling, stop checks, detokenizing, or its own sink);
-    the engine goes on. The message is safe to show a client: a log id, no internal text."""
+    """One request failed in a step (an exception in its own scheduling, prefix matching, inputs,
+    sampling, stop checks, detokenizing, or its own sink); the engine goes on. The message is
+    safe to show a client: a log id, no internal text."""
 
 
 class EngineLoop:

@@ -22,8 +22,8 @@ from engine.config import EngineConfig, Role
 from engine.engine_setup import EngineParts, build_parts
 from engine.outputs import KVExport, RequestOutput, Usage
 from engine.radix_cache import CacheStats
-from engine.request_checks import check_fits, check_request
-from engine.sampler import token_logprobs
+from engine.request_checks import check_fits, check_request, check_strings, check_text
+from engine.sampler import sample_each_row, token_logprobs
 from engine.sampling import InvalidRequest, SamplingParams, TokenLogprobs
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence, SequenceStatus
@@ -83,6 +83,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.seqs or request_id in self.prefilled or request_id in self.reservations:
             raise InvalidRequest("request_id", f"request {request_id!r} is already in this engine")
+        check_strings(prompt, params, cache_salt)  # checked or not: before the tokenizer sees them
         token_ids = self.tokenize(prompt)
         if checked:
             check_fits(token_ids, params, block_size=self.block_size, num_blocks=self.pool.num_blocks,
@@ -95,19 +96,23 @@ class LLMEngine:
             raise InvalidRequest("prompt", f"prompt has {len(token_ids)} tokens; with chunked prefill off a "
                                            f"step computes at most {sched.max_num_batched_tokens}")
         seq = Sequence(request_id, token_ids, params, next(self._arrivals), cache_salt=cache_salt)
+        if self.hicache is not None:
+            try:
+                self.hicache.prefetch(seq)  # disk reads start now, not when the request is scheduled
+            except BaseException:
+                self.hicache.forget(seq)  # refused to the caller: no read of it stays staged
+                raise
         self._track(seq)
         self.scheduler.add(seq)
-        if self.hicache is not None:
-            self.hicache.prefetch(seq)  # disk reads start now, not when the request is scheduled
 
     def _track(self, seq: Sequence, emitted: list[int] | None = None) -> None:
-        self.seqs[seq.request_id] = seq
         p = seq.params
         resumed = seq.prompt_token_ids[seq.num_prompt_tokens - p.resumed_tokens:]  # a continuation's output so far
         detok = IncrementalDetokenizer(self.tokenizer, resumed, p.resumed_chars)
         if emitted:  # the prefill side already streamed this text (less the same holdback)
             detok.update(emitted)
             detok.take(_holdback(seq.params))
+        self.seqs[seq.request_id] = seq  # only once nothing above raised: a refusal leaves no trace
         self.detoks[seq.request_id] = detok
 
     def has_unfinished(self) -> bool:
@@ -147,15 +152,20 @@ class LLMEngine:
 
     # -- the loop ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch. Returns an output for every request that got a token."""
-        ready, self._pending = self._pending, []
+        """Run one scheduled batch. Returns an output for every request that got a token, and for
+        every request that failed in the step alone (finish_reason "error": an exception in its
+        own scheduling, prefix matching, inputs, sampling, stop checks or detokenizing). Only a
+        failure of the whole batch (the model's forward) raises."""
+        outputs, self._pending = self._pending, []
         wall, cpu = time.perf_counter(), time.thread_time()  # the whole step, as sim calibrate times it
         batch = self.scheduler.schedule()
-        if not batch:
-            return ready
-        decoding = sum(s.seq.num_computed >= s.seq.num_prompt_tokens for s in batch)
-        if self.speculator is not None:
+        outputs += self._scheduling_failures()
+        if batch and self.speculator is not None:
             self.speculator.propose(batch)  # some decodes now verify 1 + k tokens
+        batch = self._each_request(batch, self.runner.check_inputs, "input preparation", outputs)
+        if not batch:
+            return outputs
+        decoding = sum(s.seq.num_computed >= s.seq.num_prompt_tokens for s in batch)
         sampled = [s for s in batch if s.samples]
         logits = self.runner.run(batch)
         results = self._sample_step(sampled, logits)
@@ -165,8 +175,10 @@ class LLMEngine:
         if self.hicache is not None:
             self.hicache.after_step()
         self.step_log.record(decoding < len(batch), decoding, time.perf_counter() - wall, time.thread_time() - cpu)
-        outputs = ready
+        outputs += self._scheduling_failures()  # offering its blocks to the prefix cache
         for s, (tokens, lps) in zip(sampled, results):
+            if s.seq.is_finished:  # failed above
+                continue
             if isinstance(tokens, BaseException):
                 outputs.append(self._fail(s.seq, tokens, "sampling"))
                 continue
@@ -175,6 +187,25 @@ class LLMEngine:
             except Exception as exc:  # stop checks, detokenizing: this request's own inputs
                 outputs.append(self._fail(s.seq, exc, "stop checks or detokenizing"))
         return outputs
+
+    def _each_request(self, batch: list[ScheduledSeq], work, stage: str,
+                      outputs: list[RequestOutput]) -> list[ScheduledSeq]:
+        """The hook for a per-request stage before the forward: `work` on each scheduled sequence;
+        one that raises fails alone (its output into `outputs`) and leaves the batch."""
+        kept = []
+        for s in batch:
+            try:
+                work(s)
+                kept.append(s)
+            except Exception as exc:
+                if s.num_draft:  # its proposals' tokens are not output
+                    self.speculator.cancel(s)
+                outputs.append(self._fail(s.seq, exc, stage))
+        return kept
+
+    def _scheduling_failures(self) -> list[RequestOutput]:
+        """Fail the requests the scheduler took out of scheduling because their own work raised."""
+        return [self._fail(f.seq, f.error, f.stage) for f in self.scheduler.take_failures()]
 
     def _sample_step(self, sampled: list[ScheduledSeq], logits: torch.Tensor) -> list[tuple]:
         """(tokens, logprobs) per sampling sequence: one sampled token per plain row, the verified
@@ -206,20 +237,8 @@ class LLMEngine:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list, list]:
         """Tokens and logprobs per row of logits (N, V); a row that cannot be sampled gets its
         exception in place of a token, so only its own request fails."""
-        params, positions = [q.params for q in seqs], [q.num_tokens - q.num_prompt_tokens for q in seqs]
-        try:
-            return self.sampler(logits, params, positions)
-        except Exception:  # which request's parameters broke the batch? each row alone says
-            tokens: list = []
-            logprobs: list = []
-            for i in range(len(seqs)):
-                try:
-                    t, lp = self.sampler(logits[i:i + 1], params[i:i + 1], positions[i:i + 1])
-                except Exception as exc:
-                    t, lp = [exc], [None]
-                tokens.append(t[0])
-                logprobs.append(lp[0])
-            return tokens, logprobs
+        positions = [q.num_tokens - q.num_prompt_tokens for q in seqs]
+        return sample_each_row(self.sampler, logits, [q.params for q in seqs], positions)
 
     def _fail(self, seq: Sequence, exc: BaseException, stage: str) -> RequestOutput:
         """Finish one request that failed in a step, free its blocks, and log why under an id
@@ -392,6 +411,8 @@ class LLMEngine:
         try:
             check_fits(prompt_token_ids, params, block_size=self.block_size, num_blocks=self.pool.num_blocks,
                        vocab_size=self.model_config.vocab_size)
+            if cache_salt is not None:
+                check_text(cache_salt, "cache_salt")
         except InvalidRequest:
             self.pool.release(self.reservations.pop(request_id, []))
             if self.draft_kv is not None:

@@ -61,6 +61,17 @@ class ModelRunner:
         for i, b, n in _runs(block_ids):
             self.kv_cache[:, :, b : b + n].copy_(kv[:, :, i : i + n])
 
+    def check_inputs(self, s: ScheduledSeq) -> None:
+        """Raise ValueError if one sequence's part of a batch is not what _prepare can read: its
+        tokens or block table end before the positions it computes. Checked per sequence before
+        the batch is built, so that request fails alone; inside run() it would fail the batch."""
+        seq, end = s.seq, s.seq.num_computed + s.num_new_tokens
+        if s.num_new_tokens < 1 or end > seq.num_tokens:
+            raise ValueError(f"{s.num_new_tokens} tokens scheduled from position {seq.num_computed} "
+                             f"of a sequence of {seq.num_tokens}")
+        if len(seq.block_table) * self.block_size < end:
+            raise ValueError(f"{len(seq.block_table)} KV blocks of {self.block_size} cannot hold {end} positions")
+
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """Compute `batch` (decodes first) and return logits (N, V) for the rows that sample: one per

@@ -26,6 +26,7 @@ def check_request(token_ids: list[int], params: SamplingParams, *, vocab_size: i
     bad = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad:
         raise InvalidRequest("stop_token_ids", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    check_texts(params.stop, "stop")
     if params.resumed_tokens >= len(token_ids):
         raise InvalidRequest("resumed_tokens", f"{params.resumed_tokens} resumed tokens leave no prompt of the "
                                                f"{len(token_ids)} tokens")
@@ -50,3 +51,31 @@ def check_fits(token_ids: list[int], params: SamplingParams, *, block_size: int,
     if -(-total // block_size) > num_blocks:
         raise InvalidRequest("max_tokens", f"needs {-(-total // block_size)} KV blocks; "
                                            f"the pool has {num_blocks}")
+
+
+def check_text(value: object, field_name: str) -> None:
+    """Raise InvalidRequest unless `value` is a str that is valid Unicode text: a lone UTF-16
+    surrogate ("\\ud800") is a str Python holds but UTF-8 cannot encode, so the tokenizer,
+    the detokenizer's stop search and every encoder after it would fail on it."""
+    if not isinstance(value, str):
+        raise InvalidRequest(field_name, f"must be a string, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(field_name, f"is not valid Unicode text: a lone surrogate U+{ord(value[exc.start]):04X} "
+                                         f"at character {exc.start}; send UTF-8 text") from None
+
+
+def check_texts(values: tuple[str, ...], field_name: str) -> None:
+    for value in values:
+        check_text(value, field_name)
+
+
+def check_strings(prompt: object, params: SamplingParams, cache_salt: object) -> None:
+    """The request's strings are valid text: refused at submission, they cannot fail in a step
+    (the tokenizer, stop-string search, block hashes) or kill the engine there."""
+    if isinstance(prompt, str):
+        check_text(prompt, "prompt")
+    check_texts(params.stop, "stop")
+    if cache_salt is not None:
+        check_text(cache_salt, "cache_salt")

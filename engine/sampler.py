@@ -48,6 +48,26 @@ class Sampler:
         return torch.Generator(device=self.device).manual_seed(_mix(params.seed, position) ^ stream)
 
 
+def sample_each_row(sampler, logits: torch.Tensor, params: list[SamplingParams],
+                    positions: list[int]) -> tuple[list, list]:
+    """`sampler` over the batch; if that raises, over each row alone, a row that still fails
+    getting its exception in place of its token (and None as its logprobs): which request's
+    parameters broke the batch is then known, and only that request fails."""
+    try:
+        return sampler(logits, params, positions)
+    except Exception:
+        tokens: list = []
+        logprobs: list = []
+        for i in range(len(params)):
+            try:
+                t, lp = sampler(logits[i:i + 1], params[i:i + 1], positions[i:i + 1])
+            except Exception as exc:
+                t, lp = [exc], [None]
+            tokens.append(t[0])
+            logprobs.append(lp[0])
+        return tokens, logprobs
+
+
 def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """(N, V) logits -> the distribution a sampled request draws from: temperature, then top-k,
     top-p and min-p, renormalised (N, V)."""

@@ -6,6 +6,11 @@ running sequence needs a block and none is free, the newest running sequence is
 preempted: its blocks are released (full ones stay in the prefix cache) and it waits to
 be recomputed. A held sequence (its reader is behind) keeps its place and its blocks but is
 not scheduled, so a client that stops reading stops its request's decoding, not the batch.
+
+An exception while scheduling one sequence (its prefix match and block hashes, a lower tier's
+load-back, its chunk and blocks) or while offering its blocks to the prefix cache is that
+sequence's alone: it leaves scheduling with its blocks freed and is reported in `failures`,
+which the engine turns into that request's error, while the rest of the step goes on.
 """
 from __future__ import annotations
 
@@ -31,6 +36,15 @@ class ScheduledSeq:
         return self.seq.num_computed + self.num_new_tokens == self.seq.num_tokens
 
 
+@dataclass
+class SeqFailure:
+    """An exception one sequence's own work raised in a step: its request fails alone."""
+
+    seq: Sequence
+    error: Exception
+    stage: str  # where, in words the client's error carries ("scheduling", ...)
+
+
 class PrefixLoader(Protocol):
     """Lower cache tiers (engine.hicache.TierManager) that can extend a device prefix hit."""
 
@@ -51,6 +65,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.loader: PrefixLoader | None = None  # set when HiCache is on
+        self.failures: list[SeqFailure] = []  # since the last take_failures(), out of scheduling
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -80,11 +95,15 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = 0 if seq.held else self._chunk(seq, seq.num_tokens - seq.num_computed, budget)
+            try:
+                n = 0 if seq.held else self._chunk(seq, seq.num_tokens - seq.num_computed, budget)
+                need = self._blocks_needed(seq, n) if n else 0
+            except Exception as exc:
+                self._fail(seq, exc, "scheduling")
+                continue
             if n == 0:
                 i += 1
                 continue
-            need = self._blocks_needed(seq, n)
             while not self.pool.can_allocate(need) and self.running[-1] is not seq:
                 self._preempt(self.running.pop())
                 preempted = True
@@ -92,7 +111,11 @@ class Scheduler:
                 self._preempt(self.running.pop(i))
                 preempted = True
                 continue
-            seq.block_table += self.pool.allocate(need)
+            try:
+                seq.block_table += self.pool.allocate(need)
+            except Exception as exc:
+                self._fail(seq, exc, "scheduling")
+                continue
             batch.append(ScheduledSeq(seq, n))
             budget -= n
             i += 1
@@ -101,31 +124,47 @@ class Scheduler:
     def _schedule_waiting(self, batch: list[ScheduledSeq], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
-            hit, by_tier = self._match_prefix(seq) if not seq.block_table else ([], {})  # referenced
-            computed = len(hit) * self.block_size if hit else seq.num_computed
-            n = self._chunk(seq, seq.num_tokens - computed, budget)
-            if n == 0:
-                self.pool.release(hit)
-                break
-            need = -(-(computed + n) // self.block_size) - len(hit) - len(seq.block_table)
-            if not self.pool.can_allocate(need):
-                self.pool.release(hit)
+            try:
+                n = self._admit(seq, budget)
+            except Exception as exc:
+                self._fail(seq, exc, "scheduling")
+                continue
+            if n is None:  # its blocks are not free
                 if not batch and self._reclaim_waiting():
                     continue  # the head again, with the blocks queued sequences held
                 break
-            if hit:
-                seq.block_table = hit
-                seq.num_computed = computed
-                seq.num_registered_blocks = len(hit)
-            if seq.num_cached_tokens is None:
-                seq.num_cached_tokens = computed
-                seq.cached_by_tier = {t: b * self.block_size for t, b in by_tier.items()}
-            seq.block_table += self.pool.allocate(need)
-            seq.status = SequenceStatus.RUNNING
-            self.waiting.popleft()
-            self.running.append(seq)
+            if n == 0:  # its next chunk does not fit this step
+                break
             batch.append(ScheduledSeq(seq, n))
             budget -= n
+
+    def _admit(self, seq: Sequence, budget: int) -> int | None:
+        """Move the head of the queue to running with blocks for its next chunk, and return the
+        chunk's size; 0 when the chunk does not fit the budget, None when its blocks are not free
+        (both leave it at the head, holding what it held before). Whatever it references from here
+        on is in its block table, so a failure frees all of it with the sequence."""
+        hit, by_tier = self._match_prefix(seq) if not seq.block_table else ([], {})  # referenced
+        if hit:
+            seq.block_table = hit
+        computed = len(hit) * self.block_size if hit else seq.num_computed
+        n = self._chunk(seq, seq.num_tokens - computed, budget)
+        need = -(-(computed + n) // self.block_size) - len(seq.block_table)
+        if n == 0 or not self.pool.can_allocate(need):
+            if hit:
+                self.pool.release(hit)
+                seq.block_table = []
+            return 0 if n == 0 else None
+        if hit:
+            seq.num_computed = computed
+            seq.num_registered_blocks = len(hit)
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = computed
+            seq.cached_by_tier = {t: b * self.block_size for t, b in by_tier.items()}
+        seq.block_table += self.pool.allocate(need)
+        seq.status = SequenceStatus.RUNNING
+        self.waiting.popleft()
+        self.running.append(seq)
+        return n
 
     def _reclaim_waiting(self) -> bool:
         """Nothing runs and the first waiting sequence cannot get its blocks: free the blocks a
@@ -160,7 +199,11 @@ class Scheduler:
         self.pool.ref(hit)  # before a load-back allocates: it must not evict these
         if self.loader is None:
             return hit, {"device": len(hit)} if hit else {}
-        loaded, by_tier = self.loader.load_back(seq, hashes[:usable], len(hit))
+        try:
+            loaded, by_tier = self.loader.load_back(seq, hashes[:usable], len(hit))
+        except BaseException:
+            self.pool.release(hit)
+            raise
         return hit + loaded, by_tier
 
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
@@ -180,7 +223,10 @@ class Scheduler:
         """Record computed tokens and offer newly completed full blocks to the prefix cache."""
         for s in batch:
             s.seq.num_computed += s.num_new_tokens
-            self.register_blocks(s.seq)
+            try:
+                self.register_blocks(s.seq)
+            except Exception as exc:
+                self._fail(s.seq, exc, "prefix caching")
 
     def register_blocks(self, seq: Sequence) -> None:
         if self.cache is None:
@@ -197,6 +243,15 @@ class Scheduler:
                 break
             self.cache.insert(hashes[i - 1] if i else self.cache.root.hash, hashes[i], seq.block_table[i])
         seq.num_registered_blocks = full
+
+    def take_failures(self) -> list[SeqFailure]:
+        """The sequences that failed alone since the last call, already out of scheduling."""
+        failures, self.failures = self.failures, []
+        return failures
+
+    def _fail(self, seq: Sequence, exc: Exception, stage: str) -> None:
+        self.remove(seq)
+        self.failures.append(SeqFailure(seq, exc, stage))
 
     def remove(self, seq: Sequence, release: bool = True) -> None:
         """Take a sequence out of scheduling; release its blocks unless the caller keeps them."""

@@ -122,6 +122,7 @@ class SimEngine:
     def plan(self) -> tuple[list[ScheduledSeq], float]:
         """This step's batch (its blocks allocated) and how long the step takes."""
         batch = self.scheduler.schedule()
+        self._raise_failures()
         if not batch:
             return batch, 0.0
         work = StepWork.of((s.num_new_tokens, s.seq.num_computed, s.samples) for s in batch)
@@ -158,6 +159,7 @@ class SimEngine:
                 s.seq.token_ids.extend((OUT_TOKEN,) * (repeats - 1))
         sampled = [s.seq for s in batch if s.samples]
         self.scheduler.after_step(batch)
+        self._raise_failures()
         for seq in sampled:
             seq.token_ids.append(OUT_TOKEN)
             if len(seq.output_token_ids) >= seq.params.max_tokens:
@@ -172,6 +174,13 @@ class SimEngine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    def _raise_failures(self) -> None:
+        """A served engine fails one request whose own scheduling raised; here no client waits
+        for an answer and every input is the simulator's own, so such a failure is a bug: raise it."""
+        failures = self.scheduler.take_failures()
+        if failures:
+            raise failures[0].error
 
     def take_events(self) -> list:
         return self.cache.events.take() if self.cache is not None else []

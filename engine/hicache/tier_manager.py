@@ -120,16 +120,19 @@ class TierManager:
         if not found:
             return [], {"device": num_device} if num_device else {}
         blocks = self.pool.allocate(len(found))
-        self.runner.write_blocks(blocks, torch.stack([kv for _, kv, _ in found], dim=2))  # (2, L, n, bs, Hkv, hd)
-        parent = hashes[num_device - 1] if num_device else self.cache.root.hash
         self._loading = True
         try:
+            self.runner.write_blocks(blocks, torch.stack([kv for _, kv, _ in found], dim=2))  # (2, L, n, bs, Hkv, hd)
+            parent = hashes[num_device - 1] if num_device else self.cache.root.hash
             for (h, kv, tier), b in zip(found, blocks):
                 self.cache.insert(parent, h, b)
                 parent = h
                 self._count_hit(h)
                 if tier == "disk" or h in self.writing:  # hot again: back in L2, as if its write were done
                     self._put_host(h, kv)
+        except BaseException:  # the request fails (the scheduler's containment); its blocks must not leak
+            self.pool.release(blocks)  # those cached so far stay cached, evictable: their KV is whole
+            raise
         finally:
             self._loading = False
         by_tier = {"device": num_device} if num_device else {}
