@@ -81,7 +81,7 @@ def _record(raw: bytes) -> dict | None:
     """A JSON object from the store, or None for anything else (a stranger may write any bytes)."""
     try:
         value = json.loads(raw)
-    except ValueError:  # UnicodeDecodeError included
+    except (ValueError, RecursionError):  # UnicodeDecodeError included; RecursionError: nested deep
         return None
     return value if isinstance(value, dict) else None
 

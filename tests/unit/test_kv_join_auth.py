@@ -165,6 +165,9 @@ def test_a_rogue_join_under_a_workers_name_is_refused_and_the_real_pair_forms() 
                         ticket=ticket)
             with pytest.raises(KVTransferError, match="refused the join"):
                 connect(server.address, LAYOUT, CLUSTER, "prefill-1", ticket=ticket)  # the secret, not the name
+            with pytest.raises(KVTransferError, match="backend nccl here, the receiver at .* uses gloo"):
+                connect(server.address, LAYOUT, CLUSTER.model_copy(update={"backend": "nccl"}), "prefill-0",
+                        ticket=ticket)
             sender = pool.submit(connect, server.address, LAYOUT, CLUSTER, "prefill-0", ticket=ticket)
             rx, tx = accepted.result(timeout=60), sender.result(timeout=60)
         moves_kv(rx, tx)
@@ -174,7 +177,8 @@ def test_a_rogue_join_under_a_workers_name_is_refused_and_the_real_pair_forms() 
 
 def test_a_forged_or_replayed_join_record_is_refused_and_the_real_pair_forms() -> None:
     """Written straight into the pairing's slots, as a stranger who lists the store would: a
-    real join record copied from an earlier pairing, a made-up one, bytes that are no JSON."""
+    real join record copied from an earlier pairing, a made-up one, bytes that are no JSON, JSON
+    nested too deep to parse."""
     server = TransferServer(CLUSTER)
     stranger = stranger_at(server)
     try:
@@ -188,10 +192,10 @@ def test_a_forged_or_replayed_join_record_is_refused_and_the_real_pair_forms() -
                                "the new pairing's counter")[0]
             prefix = counter.removesuffix("joins")
             forged = [stranger.get(old_join), json.dumps({"name": "prefill-0", "backend": "gloo", "mac": "0" * 64}),
-                      b"\xff not json"]
+                      b"\xff not json", "[" * 100_000 + "]" * 100_000]
             for record in forged:
                 stranger.set(f"{prefix}join/{stranger.add(counter, 1)}", record)
-            for slot in (1, 2, 3):  # each refused, in a verdict its own sender could check
+            for slot in (1, 2, 3, 4):  # each refused, in a verdict its own sender could check
                 wait_for(lambda s=slot: stranger.check([f"{prefix}verdict/{s}"]), 20, f"the verdict on slot {slot}")
                 assert json.loads(stranger.get(f"{prefix}verdict/{slot}"))["ok"] is False
             sender = pool.submit(connect, server.address, LAYOUT, CLUSTER, "prefill-0", ticket=ticket)
