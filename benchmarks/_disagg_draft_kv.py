@@ -26,7 +26,7 @@ from decode_worker import DecodeWorker
 from engine import CacheConfig, EngineConfig, Role, SamplingParams
 from engine.config import SpeculativeConfig
 from engine.messages import GenerateRequest
-from kv_transfer import TransferConfig
+from kv_transfer import TransferConfig, new_ticket
 from prefill_worker import PrefillWorker
 
 TARGET, DRAFT = "bench", "bench-draft"
@@ -68,8 +68,9 @@ def _pair(mode: str, dtype: str, num_blocks: int) -> tuple[PrefillWorker, Decode
     prefill = PrefillWorker(f"prefill-{mode}", cfg, transfer)
     decode = DecodeWorker(f"decode-{mode}", cfg.model_copy(update={"role": Role.DECODE}), transfer)
     with ThreadPoolExecutor(1) as pool:
-        accepted = pool.submit(decode.accept)
-        prefill.connect(decode.worker_id, decode.address)
+        ticket = new_ticket()  # what the router hands both sides
+        accepted = pool.submit(decode.accept, ticket)
+        prefill.connect(decode.worker_id, decode.address, ticket)
         accepted.result(timeout=60)
     return prefill, decode
 

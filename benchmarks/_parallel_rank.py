@@ -79,7 +79,8 @@ def send(a: dict) -> None:
     channels = []
     for piece in pieces_from(lay.num_kv_heads, 1, 0, a["dst_tp"]):
         addr = json.loads(_wait(Path(a["dir"]) / f"rank{piece.dst_rank}.json").read_text())
-        channels.append((piece, connect(tuple(addr), lay, TRANSFER, "src0", piece.sender_shard(1))))
+        channels.append((piece, connect(tuple(addr), lay, TRANSFER, "src0", piece.sender_shard(1),
+                                        ticket=f"bench-pair-to-rank{piece.dst_rank}")))
     starts = []
     with ThreadPoolExecutor(len(channels)) as pool:  # one pair per decode rank, all at once
         for rep in range(a["reps"]):
@@ -98,7 +99,8 @@ def recv(a: dict) -> None:
     tmp = Path(a["dir"]) / f".rank{a['rank']}.json"
     tmp.write_text(json.dumps(list(server.address)))
     tmp.rename(Path(a["dir"]) / f"rank{a['rank']}.json")
-    channels = [server.accept(lay, mine) for _ in pieces_to(lay.num_kv_heads, 1, a["dst_tp"], a["rank"])]
+    channels = [server.accept(lay, mine, ticket=f"bench-pair-to-rank{piece.dst_rank}")
+                for piece in pieces_to(lay.num_kv_heads, 1, a["dst_tp"], a["rank"])]
     nb = math.ceil(a["tokens"] / lay.block_size)
     pool_kv = torch.zeros(2, lay.num_layers, 4 * nb, lay.block_size, mine.head_count, lay.head_dim)
     out = torch.empty(2, lay.num_layers, nb, lay.block_size, mine.head_count, lay.head_dim)

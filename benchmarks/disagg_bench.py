@@ -112,6 +112,7 @@ TARGETS = {
     "itl_p99_disagg_vs_colocated": "<= 0.5",
 }
 BLOCK_SIZE = 16
+BENCH_TICKET = "disagg-bench-transfer-pair"  # the two phase processes' one pairing (a router would make it)
 FIRST_ID = 3  # ids 0..2 are special tokens: keep prompts to ordinary ones
 CORES = 2  # what the cluster phases give the workers (num_cpus), both modes alike
 
@@ -216,7 +217,7 @@ def _transfer_proc(role: str, model: str, plan_d: dict, seed: int, addr_q, out_q
         if role == "decode":
             server = TransferServer(tcfg)
             out_q.put(("addr", server.address))
-            ch = server.accept(layout)
+            ch = server.accept(layout, ticket=BENCH_TICKET)
             pg = ch.link.data
             raw_buf = torch.zeros(nbytes, dtype=torch.uint8)
             recv_buf = torch.zeros(nbytes, dtype=torch.uint8)
@@ -261,7 +262,7 @@ def _transfer_proc(role: str, model: str, plan_d: dict, seed: int, addr_q, out_q
             server.close()
         else:
             host, port = addr_q.get(timeout=300)
-            ch = connect((host, port), layout, tcfg, name="bench-prefill")
+            ch = connect((host, port), layout, tcfg, name="bench-prefill", ticket=BENCH_TICKET)
             pg = ch.link.data
             raw_buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
             rng = np.random.default_rng(seed + 101)

@@ -32,10 +32,11 @@ class DecodeActor(WorkerActor):
             return self.worker.address
         return [self.worker.address, *await asyncio.gather(*(r.address.remote() for r in self.ranks))]
 
-    async def accept(self, expect: str | None = None) -> str:
-        """Accept the next prefill worker, `expect` when given (on every rank of a TP worker); returns its id."""
-        peers = await asyncio.gather(asyncio.to_thread(self.worker.accept, expect),
-                                     *(r.accept.remote(expect) for r in self.ranks))
+    async def accept(self, ticket: str, expect: str | None = None) -> str:
+        """Accept the prefill worker joining under `ticket`, `expect` when given (on every rank of
+        a TP worker: each rank's own store, the same ticket); returns its id."""
+        peers = await asyncio.gather(asyncio.to_thread(self.worker.accept, ticket, expect),
+                                     *(r.accept.remote(ticket, expect) for r in self.ranks))
         if len(set(peers)) != 1:
             raise RuntimeError(f"the ranks of {self.worker.worker_id} accepted different peers: {peers}")
         return peers[0]

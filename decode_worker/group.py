@@ -60,10 +60,10 @@ class RankActor:
     def address(self) -> tuple[str, int]:
         return self.server.address
 
-    def accept(self, expect: str | None = None) -> str:
-        """Accept the next prefill worker's pair for this rank's heads (named `expect` when
-        given); returns its id."""
-        channel = self.server.accept(self.layout, self.shard, expect=expect)
+    def accept(self, ticket: str, expect: str | None = None) -> str:
+        """Accept the pair of the prefill worker joining under `ticket` for this rank's heads
+        (named `expect` when given); returns its id."""
+        channel = self.server.accept(self.layout, self.shard, expect=expect, ticket=ticket)
         old = self.channels.pop(channel.peer, None)
         if old is not None:
             old.close()

@@ -87,10 +87,10 @@ class DecodeWorker(EngineWorker):
     def address(self) -> tuple[str, int]:
         return self.server.address
 
-    def accept(self, expect: str | None = None) -> str:
-        """Accept the next prefill worker that connects (with the cluster's secret, and named
-        `expect` when given: the router says whom); returns its id."""
-        channel = self.server.accept(self.layout, self.shard, expect=expect)
+    def accept(self, ticket: str, expect: str | None = None) -> str:
+        """Accept the prefill worker that joins under `ticket` (with the cluster's secret, and
+        named `expect` when given: the router hands out both); returns its id."""
+        channel = self.server.accept(self.layout, self.shard, expect=expect, ticket=ticket)
         channel.draft_layout = self.draft_layout
         self.locks.setdefault(channel.peer, threading.Lock())
         old = self.channels.pop(channel.peer, None)

@@ -36,7 +36,8 @@ class TransferConfig(BaseModel):
     auth_key (not a field: no file or flag sets it, no dump prints it): the cluster's secret
       that authenticates pair joins (kv_transfer.rendezvous). The cluster makes a random one
       when it starts (`with_secret`) and hands it to its workers with these settings. None:
-      joins carry an HMAC under an empty key, i.e. no authentication (tests and tools only).
+      joins and verdicts carry an HMAC under an empty key, so only the pairing's ticket
+      (which never enters the store) stands between a stranger and a join (tests and tools only).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")

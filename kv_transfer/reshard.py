@@ -151,13 +151,15 @@ class ShardedSender:
 
 
 def connect_group(addresses: list[tuple[str, int]], layout: KVLayout, config: TransferConfig,
-                  name: str) -> ShardedSender:
-    """Join every rank of a decode group (rank order) as a full-head sender (TP=1 side of the plan)."""
+                  name: str, ticket: str) -> ShardedSender:
+    """Join every rank of a decode group (rank order) as a full-head sender (TP=1 side of the
+    plan), under the one ticket of the pairing: each rank has its own store."""
     channels = []
     try:
         for piece in plan(layout.num_kv_heads, 1, len(addresses)):
             shard = piece.sender_shard(1)
-            channels.append((piece, connect(tuple(addresses[piece.dst_rank]), layout, config, name, shard)))
+            channels.append((piece, connect(tuple(addresses[piece.dst_rank]), layout, config, name, shard,
+                                           ticket=ticket)))
     except BaseException:
         for _, channel in channels:
             channel.close()

@@ -22,8 +22,8 @@ class PrefillActor(WorkerActor):
     async def prefill(self, req: GenerateRequest) -> PrefillResult:
         return await asyncio.wrap_future(self.worker.prefill(req))
 
-    async def connect(self, decode_id: str, address: tuple[str, int]) -> None:
-        await asyncio.to_thread(self.worker.connect, decode_id, address)
+    async def connect(self, decode_id: str, address: tuple[str, int], ticket: str) -> None:
+        await asyncio.to_thread(self.worker.connect, decode_id, address, ticket)
 
     async def push(self, request_id: str, decode_id: str) -> bool:
         return await asyncio.to_thread(self.worker.push, request_id, decode_id)

@@ -46,16 +46,19 @@ class PrefillWorker(EngineWorker):
         self.sweeper = LeaseSweeper(self.drop_stale_exports, LeaseSweeper.interval_for(transfer_cfg.hold_timeout_s),
                                     f"{worker_id}-leases")
 
-    def connect(self, decode_id: str, address: tuple[str, int] | list[tuple[str, int]]) -> None:
-        """Join decode worker `decode_id`'s transfer server (blocks until it accepts). A list of
+    def connect(self, decode_id: str, address: tuple[str, int] | list[tuple[str, int]], ticket: str) -> None:
+        """Join decode worker `decode_id`'s transfer server under `ticket`, the one the router
+        handed that worker's accept() (blocks until it accepts). A list of
         addresses is a tensor-parallel decode worker, one per rank: each rank gets its own pair
         and, per request, exactly its KV heads (kv_transfer.reshard). Replaces an existing pair
         with that worker (the router rebuilds a pair whose link failed)."""
         self.disconnect(decode_id)
         if isinstance(address, list):
-            self.channels[decode_id] = connect_group(address, self.layout, self.transfer_cfg, self.worker_id)
+            self.channels[decode_id] = connect_group(address, self.layout, self.transfer_cfg, self.worker_id,
+                                                     ticket)
         else:
-            self.channels[decode_id] = connect(address, self.layout, self.transfer_cfg, name=self.worker_id)
+            self.channels[decode_id] = connect(address, self.layout, self.transfer_cfg, name=self.worker_id,
+                                              ticket=ticket)
             self.channels[decode_id].draft_layout = self.draft_layout
         self.senders[decode_id] = ThreadPoolExecutor(1, thread_name_prefix=f"{self.worker_id}-to-{decode_id}")
 

@@ -4,8 +4,10 @@ Each worker is a WorkerClient (router/workers.py) with the router's view of it b
 (`WorkerRef`: load counters, health, connected counterparts). Disaggregated, every healthy
 prefill worker is paired with every healthy decode worker: when either joins, when a pair's
 KV link failed (the health report names it), and at each health check for pairs still
-missing. The pool is a hint like the index: a worker that died since the last check is
-found out by the request that tries it.
+missing. Each pairing gets a fresh random ticket that the router hands both sides, so their
+rendezvous reads nothing a stranger could have planted (kv_transfer.rendezvous). The pool is
+a hint like the index: a worker that died since the last check is found out by the request
+that tries it.
 
 Pairs belong to one router: the owner's (the `brigade serve` that started the workers). The
 router of an extra front (`role: front`, cluster/front.py) routes over the same workers
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from dataclasses import dataclass, field
 
 from engine.messages import WorkerHealth
@@ -115,8 +118,11 @@ class WorkerPool:
     # -- pairing ------------------------------------------------------------------------
     async def _pair(self, prefill: WorkerRef, decode: WorkerRef) -> None:
         address = await decode.client.address()
-        accepted, _ = await asyncio.gather(decode.client.accept(prefill.worker_id),
-                                           prefill.client.connect(decode.worker_id, address))
+        # The pairing's ticket goes to both sides over Ray, never through the decode worker's
+        # rendezvous store, which anyone who reaches its port may write (kv_transfer.rendezvous).
+        ticket = secrets.token_urlsafe(16)
+        accepted, _ = await asyncio.gather(decode.client.accept(ticket, expect=prefill.worker_id),
+                                           prefill.client.connect(decode.worker_id, address, ticket))
         if accepted != prefill.worker_id:
             raise RuntimeError(f"{decode.worker_id} accepted {accepted!r} while pairing {prefill.worker_id!r}")
         prefill.peers.add(decode.worker_id)

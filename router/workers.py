@@ -48,12 +48,13 @@ class WorkerClient(Protocol):
     async def address(self) -> Address:
         """Decode: where a prefill worker connects (one per rank of a TP worker)."""
 
-    async def accept(self, expect: str | None = None) -> str:
-        """Decode: accept the next prefill worker that connects (only `expect`, when given: a
-        join under another name is refused, kv_transfer.rendezvous); its id."""
+    async def accept(self, ticket: str, expect: str | None = None) -> str:
+        """Decode: accept the prefill worker that joins under `ticket` (only `expect`, when
+        given: a join under another name is refused, kv_transfer.rendezvous); its id."""
 
-    async def connect(self, decode_id: str, address: Address) -> None:
-        """Prefill: open the KV pair with a decode worker (blocks until it accepts)."""
+    async def connect(self, decode_id: str, address: Address, ticket: str) -> None:
+        """Prefill: open the KV pair with a decode worker under `ticket`, the one its accept()
+        got (blocks until it accepts)."""
 
     async def disconnect(self, peer_id: str) -> None:
         """Close the pair with `peer_id`, if any."""
@@ -129,11 +130,11 @@ class RayWorker:
     async def address(self) -> Address:
         return await self._call(self.handle.address.remote())
 
-    async def accept(self, expect: str | None = None) -> str:
-        return await self._call(self.handle.accept.remote(expect))
+    async def accept(self, ticket: str, expect: str | None = None) -> str:
+        return await self._call(self.handle.accept.remote(ticket, expect))
 
-    async def connect(self, decode_id: str, address: Address) -> None:
-        await self._call(self.handle.connect.remote(decode_id, address))
+    async def connect(self, decode_id: str, address: Address, ticket: str) -> None:
+        await self._call(self.handle.connect.remote(decode_id, address, ticket))
 
     async def disconnect(self, peer_id: str) -> None:
         await self._call(self.handle.disconnect.remote(peer_id))

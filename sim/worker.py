@@ -293,10 +293,10 @@ class SimWorker:
         self._check()
         return (self.worker_id, 0)
 
-    async def accept(self, expect: str | None = None) -> str:
+    async def accept(self, ticket: str, expect: str | None = None) -> str:
         return await self._accepts.get()
 
-    async def connect(self, decode_id: str, address) -> None:
+    async def connect(self, decode_id: str, address, ticket: str) -> None:
         self._check()
         self.network.workers[decode_id]._accepts.put_nowait(self.worker_id)
 

@@ -271,7 +271,7 @@ def proxied_pair(n: int = 1, timeout_s: float = 1.0, host: str = "127.0.0.1"):
     links: dict[int, object] = {}
 
     def build(rank: int) -> None:
-        links[rank] = _pair_link(stores[rank], n, rank, "gloo", config)
+        links[rank] = _pair_link(stores[rank], f"brigade-kv/test-pair/{n}/", rank, "gloo", config)
 
     threads = [threading.Thread(target=build, args=(r,)) for r in (0, 1)]
     [t.start() for t in threads]

@@ -54,6 +54,11 @@ def build(args: dict, role: Role) -> tuple[LLMEngine, ParallelConfig]:
     return engine, parallel
 
 
+def ticket_of(piece) -> str:
+    """The ticket of one sending rank's pair with one receiving rank (a router would make it)."""
+    return f"reshard-pair-src{piece.src_rank}-dst{piece.dst_rank}"
+
+
 def layout_of(engine: LLMEngine) -> KVLayout:
     return KVLayout.of_model(engine.model_id, engine.runner.kv_cache, engine.model_config.num_kv_heads)
 
@@ -66,7 +71,7 @@ def prefill(args: dict) -> None:
     for piece in pieces_from(heads, src_tp, par.rank, dst_tp):
         addr = wait_file(Path(args["addr_dir"]) / f"rank{piece.dst_rank}.json")
         channels.append((piece, connect(tuple(addr), layout_of(engine), TRANSFER, f"src{par.rank}",
-                                        piece.sender_shard(src_tp))))
+                                        piece.sender_shard(src_tp), ticket=ticket_of(piece))))
 
     def send(request_id: str, num_tokens: int, kv: torch.Tensor, peer: str = "") -> None:
         for piece, channel in channels:
@@ -102,7 +107,8 @@ def decode(args: dict) -> None:
     mine = shard_of(heads, dst_tp, par.rank)
     server = TransferServer(TRANSFER)
     write_atomic(Path(args["addr_dir"]) / f"rank{par.rank}.json", list(server.address))
-    channels = [server.accept(layout_of(engine), mine) for _ in pieces_to(heads, src_tp, dst_tp, par.rank)]
+    channels = [server.accept(layout_of(engine), mine, ticket=ticket_of(piece))
+                for piece in pieces_to(heads, src_tp, dst_tp, par.rank)]
     pool = ThreadPoolExecutor(len(channels))  # every pair at once: senders block until their ack
     kv_cache = engine.runner.kv_cache
 

@@ -22,6 +22,7 @@ class FakeWorker:
         self.aborted: list[str] = []
         self.peers: list[str] = []  # the decode workers a prefill fake connected to
         self.expected: list[str | None] = []  # accept(expect=...) as the pool called it
+        self.tickets: list[str] = []  # the pairing tickets the pool handed this fake (accept or connect)
         self._queue: asyncio.Queue | None = None
 
     async def health(self) -> WorkerHealth:
@@ -47,11 +48,13 @@ class FakeWorker:
     async def address(self):
         return self  # a fake's address is the fake: connect() knocks on it directly
 
-    async def accept(self, expect: str | None = None) -> str:
+    async def accept(self, ticket: str, expect: str | None = None) -> str:
         self.expected.append(expect)  # whom the pool said to expect (the real one refuses others)
+        self.tickets.append(ticket)
         return await self._callers().get()
 
-    async def connect(self, decode_id: str, address) -> None:
+    async def connect(self, decode_id: str, address, ticket: str) -> None:
+        self.tickets.append(ticket)
         address._callers().put_nowait(self.worker_id)
         self.peers.append(decode_id)
 

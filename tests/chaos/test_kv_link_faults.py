@@ -48,6 +48,7 @@ from kv_transfer import (
     SenderChannel,
     TransferConfig,
     TransferRefused,
+    new_ticket,
     rendezvous,
 )
 from prefill_worker import PrefillWorker
@@ -221,9 +222,9 @@ def proxied_workers():
     stores: list[ProxiedStore] = []
     original = rendezvous._pair_link
 
-    def via_proxy(store, n, rank, backend, config):
+    def via_proxy(store, prefix, rank, backend, config):
         stores.append(ProxiedStore(store, rank, config.host))
-        return original(stores[-1], n, rank, backend, config)
+        return original(stores[-1], prefix, rank, backend, config)
 
     rendezvous._pair_link = via_proxy
     transfer = TransferConfig(backend="gloo", timeout_s=TIMEOUT_S, connect_timeout_s=30.0)
@@ -233,8 +234,9 @@ def proxied_workers():
 
     def pair_up():
         with ThreadPoolExecutor(1) as pool:
-            accepted = pool.submit(decode.accept)
-            prefill.connect(decode.worker_id, decode.address)
+            ticket = new_ticket()  # what the router hands both sides
+            accepted = pool.submit(decode.accept, ticket)
+            prefill.connect(decode.worker_id, decode.address, ticket)
             assert accepted.result(timeout=30) == prefill.worker_id
         return next(p for st in stores[-2:] for p in st.proxies if p.connections)
 
@@ -300,12 +302,25 @@ def cluster(ray_cluster):
     return ray_cluster(prefill=1, decode=1, engine={"cache": {"num_blocks": 256}}, transfer={"timeout_s": 5.0})
 
 
-def kv_link_connections(cluster, pair: int) -> list:
-    """The TCP connection(s) of the decode actor that carry pair `pair`'s gloo traffic: found
-    by the gloo listening ports both ranks published in the decode worker's rendezvous store."""
+def decode_store(cluster) -> tuple[dist.TCPStore, str]:
+    """A client of the decode worker's rendezvous store, and its host."""
     host, port = ray.get(cluster.workers["decode-0"].address.remote())
-    store = dist.TCPStore(host, port, None, False, timedelta(seconds=10))
-    ports = {p for rank in (0, 1) for p in gloo_ports(store.get(f"brigade-kv/pair/{pair}/gloo//0/{rank}"), host)}
+    return dist.TCPStore(host, port, None, False, timedelta(seconds=10)), host
+
+
+def pairs_built(cluster) -> set[str]:
+    """The key prefix of each pair built on the decode worker's rendezvous store so far (a
+    pairing's keys live under a prefix named by a hash of its ticket: found by listing)."""
+    store, _ = decode_store(cluster)
+    return {k.removesuffix("gloo//0/0") for k in store.list_keys() if k.endswith("/gloo//0/0")}
+
+
+def kv_link_connections(cluster, pair: str) -> list:
+    """The TCP connection(s) of the decode actor that carry the gloo traffic of the pair built
+    under `pair` (a prefix from pairs_built): found by the gloo listening ports both ranks
+    published in the decode worker's rendezvous store."""
+    store, host = decode_store(cluster)
+    ports = {p for rank in (0, 1) for p in gloo_ports(store.get(f"{pair}gloo//0/{rank}"), host)}
     conns = psutil.Process(next(iter(actor_processes(("DecodeActor",))))).net_connections("tcp")
     return [c for c in conns if c.status == psutil.CONN_ESTABLISHED and c.raddr
             and (c.laddr.port in ports or c.raddr.port in ports)]
@@ -342,7 +357,8 @@ def test_a_reset_kv_link_is_recomputed_around_and_the_pair_rebuilt(cluster, chao
     tokens, last = generate(cluster, "link-0", prompts[0])
     assert tokens == reference[0] and not last.timing.recomputed
 
-    conns = kv_link_connections(cluster, pair=1)
+    (first,) = pairs_built(cluster)
+    conns = kv_link_connections(cluster, first)
     assert conns, "found no gloo connection of the pair"
     for c in conns:
         reset(c)
@@ -351,7 +367,8 @@ def test_a_reset_kv_link_is_recomputed_around_and_the_pair_rebuilt(cluster, chao
     assert tokens == reference[1] and last.timing.recomputed
 
     # The workers report the broken pair; the router closes both ends and pairs them again.
-    wait_for(lambda: kv_link_connections_or_none(cluster, pair=2), 30, "the pair rebuilt")
+    wait_for(lambda: any(kv_link_connections_or_none(cluster, p) for p in pairs_built(cluster) - {first}), 30,
+             "the pair rebuilt")
     rebuilt_s = time.monotonic() - failed_at
     tokens, last = generate(cluster, "link-2", prompts[2])
     assert tokens == reference[2] and not last.timing.recomputed
@@ -361,7 +378,7 @@ def test_a_reset_kv_link_is_recomputed_around_and_the_pair_rebuilt(cluster, chao
                  connections_reset=len(conns))
 
 
-def kv_link_connections_or_none(cluster, pair: int) -> list:
+def kv_link_connections_or_none(cluster, pair: str) -> list:
     try:
         return kv_link_connections(cluster, pair)
     except dist.DistStoreError:  # that pair has not been built (yet)

@@ -25,7 +25,7 @@ from support import wait_for
 from decode_worker import DecodeWorker
 from engine import CacheConfig, EngineConfig, LLMEngine, Role, SamplingParams
 from engine.messages import Aborted, Chunk, GenerateRequest
-from kv_transfer import LayoutMismatch, RefuseReason, TransferConfig
+from kv_transfer import LayoutMismatch, RefuseReason, TransferConfig, new_ticket
 from prefill_worker import PrefillWorker
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -61,8 +61,9 @@ def plain_workers():
                        TRANSFER)
     with ThreadPoolExecutor(1) as pool:
         for d in (decode, odd):
-            accepted = pool.submit(d.accept)
-            prefill.connect(d.worker_id, d.address)
+            ticket = new_ticket()  # what the router hands both sides
+            accepted = pool.submit(d.accept, ticket)
+            prefill.connect(d.worker_id, d.address, ticket)
             assert accepted.result(timeout=30) == "prefill-p"
     yield prefill, decode, odd
     for w in (prefill, decode, odd):

@@ -45,6 +45,12 @@ from kv_transfer import (
 
 LAYOUT = KVLayout("tiny", num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32)
 CONFIG = TransferConfig(timeout_s=20.0, connect_timeout_s=30.0, backend="gloo")
+
+
+def ticket_for(name: str) -> str:
+    """The pairing's ticket, as the router would hand both sides: one per sender name, and each
+    name pairs once with each server here."""
+    return f"the-pairing-of-{name}"
 WILDCARDS = {"0.0.0.0", "::"}
 
 
@@ -329,7 +335,7 @@ def test_accept_times_out_when_no_sender_joins():
     server = TransferServer(CONFIG)
     start = time.monotonic()
     with pytest.raises(TransferTimeout, match="no sender joined"):
-        server.accept(LAYOUT, timeout_s=0.3)
+        server.accept(LAYOUT, timeout_s=0.3, ticket=ticket_for("nobody"))
     assert time.monotonic() - start < 3.0
     server.close()
 
@@ -339,7 +345,7 @@ def test_accept_times_out_when_no_sender_joins():
 def _sender_main(address, name, commands, replies) -> None:
     """A child process's sender: joins `address`, then follows commands from the test."""
     torch.set_num_threads(1)
-    tx = connect(address, LAYOUT, CONFIG, name)
+    tx = connect(address, LAYOUT, CONFIG, name, ticket=ticket_for(name))
     replies.put({"listening": sorted(listening_addresses())})
     while True:
         cmd, *args = commands.get(timeout=60)
@@ -347,7 +353,7 @@ def _sender_main(address, name, commands, replies) -> None:
             tx.close()
             replies.put({"closed": True})
         elif cmd == "rejoin":
-            tx = connect(address, LAYOUT, CONFIG, args[0])
+            tx = connect(address, LAYOUT, CONFIG, args[0], ticket=ticket_for(args[0]))
             replies.put({"rejoined": True})
         elif cmd == "exit":
             return
@@ -396,7 +402,7 @@ def pair():
     before = listening_addresses()
     server = TransferServer(CONFIG)
     remote = RemoteSender(server.address, "prefill-0")
-    rx = server.accept(LAYOUT)
+    rx = server.accept(LAYOUT, ticket=ticket_for("prefill-0"))
     child_listening = {tuple(a) for a in remote.reply()["listening"]}
     ours = listening_addresses() - before
     yield rx, remote, child_listening, ours, server.port
@@ -482,8 +488,8 @@ def test_pairs_are_independent_one_leaving_does_not_break_the_other():
     senders = {name: RemoteSender(server.address, name) for name in ("prefill-a", "prefill-b")}
     try:
         channels = {}
-        for _ in senders:
-            rx = server.accept(LAYOUT)
+        for name in senders:
+            rx = server.accept(LAYOUT, ticket=ticket_for(name))
             channels[rx.peer] = rx
         for s in senders.values():
             s.reply()
@@ -505,7 +511,7 @@ def test_pairs_are_independent_one_leaving_does_not_break_the_other():
         assert b.reply()["outcome"] == "ok"
 
         a.command("rejoin", "prefill-a2")  # the same worker joins again: a fresh pair
-        rx_a2 = server.accept(LAYOUT)
+        rx_a2 = server.accept(LAYOUT, ticket=ticket_for("prefill-a2"))
         assert a.reply() == {"rejoined": True} and rx_a2.peer == "prefill-a2"
         a.send("a2-1", 14, 6)
         b.send("b-3", 15, 6)
@@ -536,7 +542,8 @@ def test_device_checksum_on_cuda_matches_the_cpu_definition():
 
 def _nccl_sender_main(address, replies) -> None:
     torch.cuda.set_device(1)
-    tx = connect(address, LAYOUT, CONFIG.model_copy(update={"backend": "nccl"}), "prefill-gpu")
+    tx = connect(address, LAYOUT, CONFIG.model_copy(update={"backend": "nccl"}), "prefill-gpu",
+                 ticket=ticket_for("prefill-gpu"))
     tx.send("gpu-1", make_kv(21, 10).cuda(), 10)
     replies.put(tx.stats.payloads)
     tx.close()
@@ -554,7 +561,7 @@ def test_nccl_pair_moves_cuda_kv_exactly():
     child = ctx.Process(target=_nccl_sender_main, args=(server.address, replies), daemon=True)
     child.start()
     try:
-        rx = server.accept(LAYOUT)
+        rx = server.accept(LAYOUT, ticket=ticket_for("prefill-gpu"))
         header, kv = rx.receive()
         assert kv.is_cuda and header.checksum_algo == ChecksumAlgo.WSUM32
         assert torch.equal(kv.cpu(), make_kv(21, 10)) and replies.get(timeout=30) == 1

@@ -200,6 +200,11 @@ def test_a_joining_worker_is_paired_with_every_healthy_counterpart():
     assert router.pool.workers["prefill-0"].client.peers == ["decode-0", "decode-1"]
     # Each decode worker is told whom to expect: its rendezvous refuses a join under another name.
     assert [router.pool.workers[d].client.expected for d in ("decode-0", "decode-1")] == [["prefill-0"]] * 2
+    # Both sides of a pairing get its ticket from the router (never from the rendezvous store),
+    # one fresh ticket per pairing.
+    tickets = [router.pool.workers[d].client.tickets for d in ("decode-0", "decode-1")]
+    assert router.pool.workers["prefill-0"].client.tickets == [t for (t,) in tickets]
+    assert len(set(router.pool.workers["prefill-0"].client.tickets)) == 2 and all(len(t) >= 16 for (t,) in tickets)
 
 
 def test_a_front_that_does_not_own_the_pairs_routes_over_the_reported_ones_and_never_pairs():
@@ -214,10 +219,10 @@ def test_a_front_that_does_not_own_the_pairs_routes_over_the_reported_ones_and_n
             return WorkerHealth(self.worker_id, self.role, alive=True, peers=self.report_peers,
                                 broken_pairs=self.broken)
 
-        async def accept(self, expect=None):
+        async def accept(self, ticket, expect=None):
             self.calls.append("accept")
 
-        async def connect(self, decode_id, address):
+        async def connect(self, decode_id, address, ticket):
             self.calls.append("connect")
 
         async def disconnect(self, peer_id):
