@@ -7,7 +7,9 @@ neither of which blocks the loop.
 Tokenizing and validating need only the checkpoint's tokenizer.json and config.json (no
 weights, no engine), so a bad request is refused here with the engine's own message
 (`engine.request_checks.check_request`) before it costs the router or a worker anything. The KV
-pool size is the smallest any worker reported at start.
+pool size is the smallest any worker reported at start. A text longer than max_model_len tokens
+could spell is refused before it is tokenized; a long one is tokenized with the GIL released,
+a bounded number at once (router/tokenize_slots.py), so the doors' other threads go on.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from engine.request_checks import check_request
 from engine.sampling import InvalidRequest, SamplingParams
 from engine.tokenizer import Tokenizer, chat_token_ids, prompt_token_ids
 from router.errors import NoWorker
+from router.tokenize_slots import TokenizeSlots
 
 log = logging.getLogger(__name__)
 ABORT_DRAIN_S = 5.0  # how long an aborted stream may take to end before its task is cancelled
@@ -49,6 +52,10 @@ class ClusterBackend:
         self.model_name = model_id_for(cfg.engine, path)
         self.vocab_size = model_cfg.vocab_size
         self.max_model_len = context_length(cfg.engine.max_model_len, model_cfg)
+        if self.tokenizer is not None:  # a text no context can hold is refused before it is tokenized
+            fd = cfg.frontdoor
+            self.tokenizer.limit(self.max_model_len,
+                                 TokenizeSlots(fd.max_concurrent_tokenizations, fd.max_waiting_tokenizations))
         self.block_size = cfg.engine.cache.block_size
         self.roles = ("mixed",) if cfg.mode == "colocated" else ("prefill", "decode")
         cfg.parallel.check_model(model_cfg, self.roles)

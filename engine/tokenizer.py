@@ -1,6 +1,7 @@
 """The checkpoint's tokenizer (tokenizer.json) and chat template, plus incremental detokenizing."""
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -9,6 +10,11 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from engine.chat_template import RESERVED, TemplateRefused, render
 from engine.sampling import InvalidRequest
+
+# Texts longer than this are encoded with the GIL released (HF tokenizers' encode_batch releases
+# it, encode does not): a long prompt is tokenized while the process's other threads, the front
+# doors' health answers among them, go on. Shorter texts take the direct path, done in a millisecond.
+GIL_FREE_ABOVE_CHARS = 4096
 
 
 class Tokenizer:
@@ -24,14 +30,36 @@ class Tokenizer:
                                if (t := _token_text(cfg.get(k)))}
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # The longest vocabulary entry, in characters: no token spells more text than this (a
+        # byte-level or "##" entry is longer than the text it stands for, so this errs high).
+        self.max_token_chars = max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+        self.max_text_chars: int | None = None  # set by limit()
+        self.long_text_gate: contextlib.AbstractContextManager = contextlib.nullcontext()
 
     @classmethod
     def from_dir(cls, path: Path) -> Tokenizer | None:
         """None when the checkpoint ships no tokenizer (token-id prompts still work)."""
         return cls(path) if (path / "tokenizer.json").is_file() else None
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def limit(self, max_model_len: int, long_text_gate: contextlib.AbstractContextManager | None = None) -> None:
+        """From now on refuse, before encoding it, a text longer than `max_model_len` tokens could
+        spell (max_model_len x max_token_chars characters), and hold `long_text_gate` (e.g. a
+        bounded count of tokenizations at once) around each encode of a long text."""
+        self.max_text_chars = max_model_len * self.max_token_chars
+        if long_text_gate is not None:
+            self.long_text_gate = long_text_gate
+
+    def encode(self, text: str, field: str = "prompt") -> list[int]:
+        """Token ids of `text`; InvalidRequest naming `field` (the request field the text came
+        from) when it is longer than limit() allows."""
+        if self.max_text_chars is not None and len(text) > self.max_text_chars:
+            raise InvalidRequest(field, f"is {len(text):,} characters of text, more than the {self.max_text_chars:,} "
+                                        f"the model's context can hold (max_model_len tokens of at most "
+                                        f"{self.max_token_chars} characters each); send a shorter text")
+        if len(text) <= GIL_FREE_ABOVE_CHARS:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        with self.long_text_gate:
+            return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -87,7 +115,7 @@ def chat_token_ids(tokenizer: Tokenizer | None, messages: object, tools: object 
                                              tools=tools, documents=documents, **kwargs)
     except TemplateRefused as exc:
         raise InvalidRequest("messages", f"the chat template refused the messages: {exc}") from None
-    return tokenizer.encode(text)
+    return tokenizer.encode(text, "messages")
 
 
 class IncrementalDetokenizer:

@@ -101,3 +101,7 @@ class FrontDoorConfig(_Frozen):
     # (after the same grace): a slow client cannot hold a thread (router/http/guards.py).
     header_timeout_s: float = Field(10.0, gt=0)
     min_body_bytes_per_s: float = Field(32768.0, gt=0)
+    # Long prompts (router/tokenize_slots.py) tokenized at once, each on a core of its own with the
+    # GIL released, and how many more may wait for a turn; beyond, 429 / RESOURCE_EXHAUSTED at once.
+    max_concurrent_tokenizations: int = Field(2, ge=1)
+    max_waiting_tokenizations: int = Field(64, ge=0)

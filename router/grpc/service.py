@@ -8,11 +8,12 @@ deadline passes; leaving the backend's stream then aborts the request on its wor
 frees its KV (cluster/backend.py).
 
 Status codes, from router/errors.py's table: INVALID_ARGUMENT (trailing `brigade-field` names
-the field), NOT_FOUND (another model), RESOURCE_EXHAUSTED (router queue full; over-size
-messages are refused by gRPC itself), UNAVAILABLE (no live worker), each retriable one with
-trailing `retry-after-ms`; and the door's own: UNAUTHENTICATED, UNAVAILABLE while starting or
-draining. The request's `session_id` and `priority` fields are accepted and not used (no
-session affinity or priority queues yet).
+the field; a string field whose bytes are not UTF-8 by its path, router/grpc/wire_text.py),
+NOT_FOUND (another model), RESOURCE_EXHAUSTED (router queue full, or too many long prompts
+waiting to be tokenized; over-size messages are refused by gRPC itself), UNAVAILABLE (no live
+worker), each retriable one with trailing `retry-after-ms`; and the door's own:
+UNAUTHENTICATED, UNAVAILABLE while starting or draining. The request's `session_id` and
+`priority` fields are accepted and not used (no session affinity or priority queues yet).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from router.auth import Authenticator, cache_salt
 from router.backend import Backend
 from router.errors import ModelNotFound, StreamBroken
 from router.grpc import messages as msgs
+from router.grpc.wire_text import bad_text_field
 from router.metrics import FrontDoorMetrics
 
 log = logging.getLogger(__name__)
@@ -255,7 +257,11 @@ def _parse(cls, data: bytes):
     try:
         return cls.FromString(data)
     except (DecodeError, ValueError, RuntimeError) as exc:  # upb raises DecodeError; be liberal
-        raise InvalidRequest("request", f"not a valid {cls.DESCRIPTOR.full_name}: {exc}") from None
+        error = exc
+    field = bad_text_field(cls.DESCRIPTOR, data)
+    if field is not None:
+        raise InvalidRequest(field, "is not valid UTF-8 text; send UTF-8 (no lone surrogates)")
+    raise InvalidRequest("request", f"not a valid {cls.DESCRIPTOR.full_name}: {error}")
 
 
 def _metadata(context) -> dict[str, str]:

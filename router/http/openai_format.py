@@ -1,7 +1,8 @@
 """OpenAI request bodies in, OpenAI response bodies out: the HTTP door's translation layer.
 
 Parsing turns a `/v1/completions` or `/v1/chat/completions` body into token ids and
-SamplingParams (raising InvalidRequest naming the field, before any work is queued).
+SamplingParams (raising InvalidRequest naming the field, before any work is queued); a string
+anywhere in the body that is not UTF-8-encodable text (a lone surrogate) is refused first.
 Shaping turns the backend's Chunks into `text_completion` / `chat.completion` objects and
 their streaming `.chunk` forms, with logprobs in each endpoint's own format.
 
@@ -20,6 +21,7 @@ from engine.outputs import Usage
 from engine.sampling import InvalidRequest, SamplingParams, TokenLogprobs
 from router.errors import ModelNotFound
 from router.request_fields import SAMPLING_FIELDS, sampling_params, token_ids
+from router.request_text import check_text
 
 
 @dataclass
@@ -40,6 +42,7 @@ def _plain_text_format(name: str, value: Any) -> bool:
 
 
 def _common(body: dict, backend) -> dict[str, Any]:
+    check_text(body)  # first: every field read below, and the backend, see UTF-8-encodable text only
     if body.get("model") not in (None, backend.model_name):
         raise ModelNotFound(body["model"], backend.model_name)
     for name in ("n", "best_of"):

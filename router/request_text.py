@@ -1,0 +1,41 @@
+"""Every string of a parsed JSON request must be text: encodable as UTF-8.
+
+JSON's "\\ud800" escapes (and raw surrogate bytes, which json.loads lets through) decode to lone
+UTF-16 surrogates, which Python strings can hold and UTF-8 cannot: one in a prompt fails the
+tokenizer, in a cache salt the prefix hash, in anything a log line. The door checks the whole
+body once, before reading any field, so each field's later code sees text only.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from engine.sampling import InvalidRequest
+
+
+def check_text(body: Any) -> None:
+    """InvalidRequest naming the first string, or object key, in `body` (as json.loads returned
+    it) that is not UTF-8-encodable, by its path: `messages[0].content[1].text`. A bad key is
+    named by its object's path ("request" at the top)."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:  # by hand, not recursion: nesting depth is the client's choice
+        path, value = stack.pop()
+        if isinstance(value, str):
+            _check(value, path)
+        elif isinstance(value, dict):
+            for key in value:
+                _check(key, path or "request", key=True)
+            stack.extend((f"{path}.{k}" if path else k, v) for k, v in reversed(value.items()))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(value))))
+
+
+def _check(text: str, path: str, key: bool = False) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        what = "has a key that is" if key else "is"
+        raise InvalidRequest(path, f"{what} not valid text: a lone UTF-16 surrogate "
+                                   f"({text[exc.start]!r:.10}) at character {exc.start}; send UTF-8 text "
+                                   "(surrogate pairs only as pairs)") from None
