@@ -15,7 +15,7 @@ from pathlib import Path
 
 def fsync(path: Path) -> None:
     """Flush one file's or directory's data and metadata to the disk."""
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0) | os.O_NOFOLLOW)
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
     try:
         os.fsync(fd)
     finally:
