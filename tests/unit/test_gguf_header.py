@@ -203,3 +203,15 @@ def test_the_bounds_admit_a_real_vocabulary_size(tmp_path: Path) -> None:
                         + bytes(4 * 151_936)),
                      kv("tokenizer.ggml.merges", T.ARRAY, struct.pack("<IQ", T.STRING, 151_387) + merges))
     check_header(path)  # no exception
+
+
+def test_gguf_quantization_bounds_its_source_file_too(tmp_path: Path) -> None:
+    """--quantization gguf reads the converted checkpoint's source again, at every load."""
+    from types import SimpleNamespace
+
+    from engine.quant.gguf_blocks import install_gguf_blocks
+
+    path = hand_made(tmp_path / "big.gguf", kv("junk.bytes", T.ARRAY, struct.pack("<IQ", T.UINT8, 1_000_000)
+                                               + bytes(1_000_000)))
+    with pytest.raises(GGUFError, match="'junk.bytes': an array of 1000000 items"):
+        install_gguf_blocks(SimpleNamespace(config=None), str(path), "llama")
