@@ -4,7 +4,6 @@ and vLLM all load like any other checkpoint."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -14,7 +13,9 @@ import torch
 from gguf import GGUFReader
 from safetensors.torch import save_file
 
+from engine.durable import publish
 from engine.gguf.config import hf_config
+from engine.gguf.header import check_header
 from engine.gguf.vocab import build_tokenizer
 from engine.gguf.weights import GGUFError, iter_weights
 
@@ -26,10 +27,12 @@ Progress = Callable[[int, int], None]  # (tensors done, tensors in all)
 
 def write_checkpoint(gguf_path: Path, out: Path, dtype: torch.dtype = torch.float32,
                      progress: Progress | None = None) -> None:
-    """Fill the (existing, empty) directory `out` from `gguf_path`, weights cast to `dtype`."""
+    """Fill the (existing, empty) directory `out` from `gguf_path`, weights cast to `dtype`.
+    The header is checked within bounds before GGUFReader parses it (engine/gguf/header.py)."""
+    check_header(gguf_path)
     try:
         reader = GGUFReader(str(gguf_path))
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, KeyError) as exc:
         raise GGUFError(f"{gguf_path} is not a readable GGUF file: {exc}") from None
     cfg = hf_config(reader)
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
@@ -83,7 +86,9 @@ def _dump(obj, path: Path) -> None:
 def convert_atomically(gguf_path: Path, final: Path, dtype: torch.dtype = torch.float32,
                        progress: Progress | None = None) -> Path:
     """Convert into a temp dir beside `final` and rename it into place: a reader (or a crash)
-    never leaves a half-written checkpoint at `final`. Returns `final`."""
+    never leaves a half-written checkpoint at `final`. The marker is written last and the whole
+    directory fsynced before the rename (engine/durable.py), so after a power loss `final` with
+    its marker holds whole files. Returns `final`."""
     if (final / MARKER).is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -92,11 +97,11 @@ def convert_atomically(gguf_path: Path, final: Path, dtype: torch.dtype = torch.
         write_checkpoint(gguf_path, tmp, dtype, progress)
         (tmp / MARKER).write_text(str(gguf_path) + "\n")
         try:
-            os.rename(tmp, final)
+            publish(tmp, final, replace=False)
         except OSError:
             if not (final / MARKER).is_file():  # unmarked debris at final: replace it
                 shutil.rmtree(final, ignore_errors=True)
-                os.rename(tmp, final)
+                publish(tmp, final, replace=False)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final

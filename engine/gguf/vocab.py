@@ -13,7 +13,7 @@ from typing import Any
 from gguf import GGUFReader
 from tokenizers import Tokenizer
 
-from engine.gguf.config import field
+from engine.gguf.metadata import Metadata
 from engine.gguf.weights import GGUFError
 
 CONTROL, USER_DEFINED = 3, 4  # gguf.TokenType values that make an added token
@@ -45,16 +45,23 @@ _PRE: dict[str, tuple[dict | None, list[dict[str, Any]], dict[str, Any]]] = {
 
 
 def tokenizer_json(reader: GGUFReader) -> dict[str, Any]:
-    model = field(reader, "tokenizer.ggml.model")
+    m = Metadata(reader)
+    model = m.string("tokenizer.ggml.model")
     if model != "gpt2":
         raise GGUFError(f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')")
-    pre = field(reader, "tokenizer.ggml.pre", "gpt-2")
+    pre = m.string("tokenizer.ggml.pre", "gpt-2")
     if pre not in _PRE:
         raise GGUFError(f"GGUF pre-tokenizer {pre!r} is not supported; supported: {', '.join(_PRE)}")
     normalizer, pre_tokenizers, byte_level = _PRE[pre]
-    tokens = field(reader, "tokenizer.ggml.tokens")
-    types = field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges = [m.split(" ", 1) for m in field(reader, "tokenizer.ggml.merges")]
+    tokens = m.strings("tokenizer.ggml.tokens")
+    types = m.integers("tokenizer.ggml.token_type", None) or [1] * len(tokens)
+    if len(types) != len(tokens):
+        raise GGUFError(f"GGUF metadata 'tokenizer.ggml.token_type' has {len(types)} entries for {len(tokens)} "
+                        "tokens; the file is malformed: re-export it")
+    merges = [pair.split(" ", 1) for pair in m.strings("tokenizer.ggml.merges")]
+    if (bad := next((i for i, pair in enumerate(merges) if len(pair) != 2), None)) is not None:
+        raise GGUFError(f"GGUF metadata 'tokenizer.ggml.merges'[{bad}] ({merges[bad][0]!r}) is not two tokens "
+                        "joined by a space; the file is malformed: re-export it")
     added = [{"id": i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False,
               "normalized": False, "special": kind == CONTROL}
              for i, (tok, kind) in enumerate(zip(tokens, types)) if kind in (CONTROL, USER_DEFINED)]
@@ -70,16 +77,18 @@ def tokenizer_json(reader: GGUFReader) -> dict[str, Any]:
 
 
 def tokenizer_config(reader: GGUFReader, max_length: int) -> dict[str, Any]:
-    tokens = field(reader, "tokenizer.ggml.tokens")
+    m = Metadata(reader)
+    tokens = m.strings("tokenizer.ggml.tokens")
 
     def token(key: str) -> str | None:
-        i = field(reader, f"tokenizer.ggml.{key}_token_id")
+        # Any integer: an id outside the vocabulary (some exports write -1 for "none") names no token.
+        i = m.integer(f"tokenizer.ggml.{key}_token_id", None, minimum=-(1 << 63), maximum=1 << 64)
         return tokens[i] if i is not None and 0 <= i < len(tokens) else None
 
     return {
-        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": field(reader, "tokenizer.chat_template"),
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": m.string("tokenizer.chat_template", None),
         "bos_token": token("bos"), "eos_token": token("eos"), "pad_token": token("padding"),
-        "unk_token": token("unknown"), "add_bos_token": bool(field(reader, "tokenizer.ggml.add_bos_token", False)),
+        "unk_token": token("unknown"), "add_bos_token": m.flag("tokenizer.ggml.add_bos_token", False),
         "add_eos_token": False, "clean_up_tokenization_spaces": False, "model_max_length": max_length,
     }
 
@@ -87,6 +96,10 @@ def tokenizer_config(reader: GGUFReader, max_length: int) -> dict[str, Any]:
 def build_tokenizer(reader: GGUFReader) -> tuple[str, dict[str, Any]]:
     """tokenizer.json's text (checked by loading it) and tokenizer_config.json's content."""
     text = json.dumps(tokenizer_json(reader), ensure_ascii=False)
-    Tokenizer.from_str(text)  # fails here, not at serve time, if the restored pieces do not fit
-    ctx = field(reader, f"{field(reader, 'general.architecture')}.context_length", 4096)
-    return text, tokenizer_config(reader, ctx)
+    try:  # fails here, not at serve time, if the restored pieces do not fit
+        Tokenizer.from_str(text)
+    except Exception as exc:  # the tokenizers library raises a bare Exception
+        raise GGUFError(f"GGUF metadata 'tokenizer.ggml.tokens' and 'tokenizer.ggml.merges' do not form a "
+                        f"tokenizer ({exc}); the file is malformed: re-export it") from None
+    m = Metadata(reader)
+    return text, tokenizer_config(reader, m.integer(f"{m.string('general.architecture')}.context_length", 4096))

@@ -52,8 +52,12 @@ def iter_weights(reader: GGUFReader, architecture: str, num_heads: int,
     """(HF name, float32 array in HF's (out, in) layout) for every tensor of the file."""
     for t in reader.tensors:
         name = hf_name(t.name)
-        w = dequantize(t.data, t.tensor_type)  # (out, in) or (n,), float32
-        if architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            w = unpermute_rotary(w, num_heads if "q_proj" in name else num_kv_heads)
+        try:
+            w = dequantize(t.data, t.tensor_type)  # (out, in) or (n,), float32
+            if architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                w = unpermute_rotary(w, num_heads if "q_proj" in name else num_kv_heads)
+        except (ValueError, NotImplementedError) as exc:  # a shape the heads do not divide, a type not dequantized
+            raise GGUFError(f"GGUF tensor {t.name!r} (shape {list(t.shape)}, {t.tensor_type.name}) does not convert: "
+                            f"{exc}") from None
         # F32 tensors are read-only views of the memory-mapped file: copy them out.
         yield name, np.array(w, dtype=np.float32, order="C", copy=not w.flags.writeable or None)

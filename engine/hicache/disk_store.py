@@ -14,8 +14,10 @@ Files are written to a temp name (created exclusively, never through a symlink),
 and renamed, and the directory is fsynced after the rename, so a reader sees a whole file or
 none, also after a power loss; reads never follow a symlink either (something planted in the
 directory is not ours, and is quarantined). A file that is truncated, fails its checksum,
-belongs to another model or layout, or has another format version is a miss: it is moved to `quarantine/` (the newest
-QUARANTINE_KEEP are kept), logged and counted, never decoded. A full disk (ENOSPC) stops writes; reads go on.
+belongs to another model or layout, has another format version, or a header that is oversized or nested past
+what json parses is a miss: it is moved to `quarantine/` (the newest QUARANTINE_KEEP are kept), logged and
+counted, never decoded. Nothing in the directory is stat()ed through a symlink, and a file that vanishes
+meanwhile (another process's cleanup, an eviction) is skipped. A full disk (ENOSPC) stops writes; reads go on.
 
 Thread-safe: the tier manager's I/O thread writes and reads while the engine thread looks
 blocks up; `take_changes()` hands the engine thread what became findable or stopped
@@ -28,6 +30,7 @@ import fcntl
 import json
 import logging
 import os
+import stat
 import struct
 import threading
 import time
@@ -46,6 +49,7 @@ _DIGEST = 16
 _SUFFIX = ".kv"
 _TMP = ".tmp-"
 QUARANTINE_KEEP = 64  # bad files kept for inspection; older ones are deleted so the directory stays bounded
+MAX_HEADER_BYTES = 1 << 16  # ours are ~300 bytes; a longer one is not ours and is not parsed
 
 
 class BadBlockFile(ValueError):
@@ -65,15 +69,19 @@ def _check_header(prefix: bytes, header: bytes, h: bytes, model_id: str, layout:
     """Validate a file's fixed prefix and header; returns the payload size."""
     if len(prefix) < _PREFIX.size:
         raise BadBlockFile("truncated")
-    magic, version, _ = _PREFIX.unpack_from(prefix)
+    magic, version, hlen = _PREFIX.unpack_from(prefix)
     if magic != MAGIC:
         raise BadBlockFile("not a block file")
     if version != FORMAT_VERSION:
         raise BadBlockFile(f"format version {version}, expected {FORMAT_VERSION}")
+    if hlen > MAX_HEADER_BYTES or len(header) != hlen:
+        raise BadBlockFile(f"header of {hlen} bytes ({len(header)} present; at most {MAX_HEADER_BYTES})")
     try:
         meta = json.loads(header)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise BadBlockFile(f"header: {e}") from None
+    except RecursionError:  # nested deeper than json parses: not a header we wrote
+        raise BadBlockFile("header nested too deep") from None
     if not isinstance(meta, dict):
         raise BadBlockFile("header is not an object")
     if meta.get("model_id") != model_id:
@@ -241,23 +249,44 @@ class DiskStore:
     def _quarantine(self, h: bytes, why: str, path: Path | None = None) -> None:
         self._drop(h)
         path = path or self._path(h)
-        self.quarantine_dir.mkdir(mode=0o700, exist_ok=True)
+        self._quarantine_dir()
         try:
             os.replace(path, self.quarantine_dir / f"{path.name}.{time.time_ns()}")
         except FileNotFoundError:
             pass
-        kept = sorted(self.quarantine_dir.iterdir(), key=lambda p: p.stat().st_mtime)
-        for old in kept[: max(0, len(kept) - QUARANTINE_KEEP)]:
+        except OSError as e:  # not movable (a directory under a block name, permissions): leave it unindexed
+            log.warning("hicache: could not move bad L3 file %s to quarantine (%s)", path.name, e)
+        kept = sorted(_entries_by_age(self.quarantine_dir))
+        for _, old in kept[: max(0, len(kept) - QUARANTINE_KEEP)]:
             _unlink(old)
         with self._lock:
             self.stats["quarantined"] += 1
         log.warning("hicache: quarantined L3 block file %s: %s", path.name, why)
 
+    def _quarantine_dir(self, create: bool = True) -> None:
+        """Make `quarantine/` a real directory (or nothing): one planted as a symlink would have bad
+        files moved, and the oldest files deleted, wherever it points."""
+        try:
+            if stat.S_ISDIR(os.lstat(self.quarantine_dir).st_mode):
+                return
+            _unlink(self.quarantine_dir)
+        except FileNotFoundError:
+            pass
+        if not create:
+            return
+        try:
+            os.mkdir(self.quarantine_dir, 0o700)
+        except FileExistsError:  # made meanwhile by another thread of this store
+            pass
+
     def _reindex(self) -> None:
         """Warm restart: index every valid block file (by age, oldest first); drop temp files
         a killed writer left; quarantine files that are not ours or not whole."""
         found: list[tuple[float, bytes, int]] = []
+        self._quarantine_dir(create=False)
         for entry in os.scandir(self.dir):
+            if entry.name == self.quarantine_dir.name:
+                continue
             if not entry.is_file(follow_symlinks=False):
                 if entry.is_symlink():
                     self._quarantine(b"", "a symlink, not a block file of ours", Path(entry.path))
@@ -270,13 +299,15 @@ class DiskStore:
             path = Path(entry.path)
             try:
                 h = bytes.fromhex(entry.name[: -len(_SUFFIX)])
-                st = entry.stat()
+                st = entry.stat(follow_symlinks=False)
                 with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
                     prefix = f.read(_PREFIX.size)
                     hlen = _PREFIX.unpack_from(prefix)[2] if len(prefix) == _PREFIX.size else 0
-                    size = _check_header(prefix, f.read(hlen), h, self.model_id, self.layout)
+                    size = _check_header(prefix, f.read(min(hlen, MAX_HEADER_BYTES)), h, self.model_id, self.layout)
                 if st.st_size != _PREFIX.size + hlen + size + _DIGEST:
                     raise BadBlockFile(f"size {st.st_size} does not match its header")
+            except FileNotFoundError:  # removed since the scan listed it: nothing to index or quarantine
+                continue
             except (ValueError, OSError) as e:
                 self._quarantine(b"", str(e), path)
                 continue
@@ -300,6 +331,18 @@ def _read_file(path: Path) -> bytes:
     """The whole file, never through a symlink (ELOOP, an OSError, if it is one)."""
     with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
         return f.read()
+
+
+def _entries_by_age(directory: Path) -> list[tuple[float, Path]]:
+    """(mtime, path) of each entry, by lstat: a dangling or planted symlink is aged, never followed;
+    an entry removed meanwhile is skipped."""
+    out = []
+    for entry in os.scandir(directory):
+        try:
+            out.append((entry.stat(follow_symlinks=False).st_mtime, Path(entry.path)))
+        except FileNotFoundError:
+            continue
+    return out
 
 
 def _unlink(path: Path) -> None:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
+from engine.gguf.header import check_header
 from engine.gguf.weights import hf_name, unpermute_rotary
 from engine.quant.linear import BlockInt8Linear, Int4Linear, QuantLinear
 
@@ -72,6 +73,7 @@ def install_gguf_blocks(model: torch.nn.Module, gguf_path: str, architecture: st
     holding those blocks. Others (K-quants, float tensors, MoE experts) stay as loaded.
     Returns counts by kind for the log."""
     cfg = model.config
+    check_header(gguf_path)  # the source may have changed since it was converted: bound it again
     reader = GGUFReader(gguf_path)
     tensors = {hf_name(t.name): t for t in reader.tensors}
     if cfg.tie_word_embeddings and "lm_head.weight" not in tensors:

