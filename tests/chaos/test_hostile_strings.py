@@ -1,0 +1,101 @@
+"""Chaos: strings no UTF-8 encoder accepts, sent to a real `brigade serve --policy round_robin`
+(1 prefill + 1 decode, `tiny` preset). Load-based routing sends a request straight to a worker
+without asking the prefix index first, so nothing between the door and the engine would stop a
+bad string. Through the HTTP door (JSON's `\\ud800` escapes decode to lone surrogates) and the
+gRPC door (invalid UTF-8 bytes in a string field) every such request is answered 400 /
+INVALID_ARGUMENT naming its field; afterwards every worker is alive, none was replaced (the
+same Ray actor ids), and plain requests through both doors still answer."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import grpc
+import httpx
+import pytest
+import ray
+from brigade_client import Client
+from brigade_client.v1 import brigade_pb2 as pb
+from serve_process import Served, brigade_serve, ray_address
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+PROMPT = list(range(1, 101))  # 100 tokens: fills whole KV blocks, so the salt is hashed
+WORKERS = ("prefill-0", "decode-0")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    tmp = tmp_path_factory.mktemp("hostile_strings")
+    flags = ["--policy", "round_robin", "--http-port", "0", "--grpc-port", "0", "--num-blocks", "256"]
+    with brigade_serve(flags, tmp / "serve.log") as served:
+        from cluster.launch import NAMESPACE, _keep_ray_on_loopback
+
+        _keep_ray_on_loopback()  # join as a driver on 127.0.0.1, where its raylet is
+        ray.init(address=ray_address(served), namespace=NAMESPACE, _node_ip_address="127.0.0.1")
+        try:
+            yield served
+        finally:
+            ray.shutdown()
+
+
+def workers() -> dict[str, str]:
+    """Each worker's Ray actor id, after checking that its engine says it is alive."""
+    ids = {}
+    for name in WORKERS:
+        actor = ray.get_actor(name)
+        assert ray.get(actor.health.remote(), timeout=60).alive, f"{name}'s engine is not alive"
+        ids[name] = actor._actor_id.hex()
+    return ids
+
+
+def post(served: Served, path: str, body: dict) -> httpx.Response:
+    # json.dumps escapes a lone surrogate as \ud800, exactly what a hostile client would send
+    return httpx.post(served.http_base + path, content=json.dumps(body), timeout=60,
+                      headers={"content-type": "application/json"})
+
+
+HTTP_CASES = [
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "cache_salt": "\ud800"}, "cache_salt"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "cache_salt": "\ud800", "stream": True}, "cache_salt"),
+    ("/v1/completions", {"prompt": "hello \udc80 there", "max_tokens": 4}, "prompt"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "stop": ["ok", "\udfff"]}, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \udc80"}], "max_tokens": 4},
+     "messages"),
+]
+
+
+def test_surrogates_through_both_doors_are_refused_and_no_worker_dies(served: Served):
+    before = workers()
+
+    for path, body, field in HTTP_CASES:
+        for _ in range(3):  # round robin: each worker gets its turn
+            resp = post(served, path, body)
+            assert resp.status_code == 400, (path, body, resp.status_code, resp.text)
+            assert field in resp.json()["error"]["message"], resp.text
+
+    # protobuf's own encoder refuses a surrogate, so a hostile client sends the bytes by hand:
+    # field 8 (cache_salt) and field 2 (text), each the CESU-8 form of U+D800
+    plain = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT)).SerializeToString()
+    bad_salt = plain + b"\x42\x03\xed\xa0\x80"
+    bad_text = b"\x12\x03\xed\xa0\x80"
+    with grpc.insecure_channel(served.grpc_target) as channel:
+        for method in ("Generate", "GenerateUnary"):
+            kind = channel.unary_stream if method == "Generate" else channel.unary_unary
+            call = kind(f"/brigade.v1.Brigade/{method}", request_serializer=lambda b: b,
+                        response_deserializer=lambda b: b)
+            for raw in (bad_salt, bad_text):
+                with pytest.raises(grpc.RpcError) as info:
+                    result = call(raw, timeout=60)
+                    if method == "Generate":
+                        list(result)
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, info.value)
+
+    assert workers() == before  # alive, and not replaced
+    resp = post(served, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "temperature": 0,
+                                            "ignore_eos": True})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 4
+    with Client(served.grpc_target, timeout=60) as client:
+        assert len(client.generate(PROMPT, max_tokens=4, temperature=0, ignore_eos=True).token_ids) == 4
+    assert workers() == before
