@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.chat_template import RESERVED, TemplateRefused, render
+from engine.chat_template import TemplateRefused, render
 from engine.sampling import InvalidRequest
 
 # Texts longer than this are encoded with the GIL released (HF tokenizers' encode_batch releases
@@ -66,13 +66,14 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, documents: list[dict] | None = None,
-                            **kwargs) -> str:
+                            variables: dict | None = None, **kwargs) -> str:
         """The template's text, as transformers' apply_chat_template(..., tokenize=False) gives it;
-        TemplateRefused if the template raises."""
+        TemplateRefused if the template raises. `variables` (and `kwargs`) are the template's own."""
         if not self.chat_template:
             raise ValueError("this model's tokenizer_config.json has no chat_template; send a plain prompt")
         return render(self.chat_template, messages, tools=tools, documents=documents,
-                      add_generation_prompt=add_generation_prompt, special_tokens=self.special_tokens, **kwargs)
+                      add_generation_prompt=add_generation_prompt, special_tokens=self.special_tokens,
+                      variables={**kwargs, **(variables or {})})
 
 
 def prompt_token_ids(tokenizer: Tokenizer | None, prompt: str | Sequence[int]) -> list[int]:
@@ -102,9 +103,8 @@ def chat_token_ids(tokenizer: Tokenizer | None, messages: object, tools: object 
             raise InvalidRequest(name, "must be a list of JSON objects")
     kwargs = dict(template_kwargs) if isinstance(template_kwargs, dict) else {}
     if ((template_kwargs is not None and not isinstance(template_kwargs, dict))
-            or not all(isinstance(k, str) for k in kwargs) or any(k in kwargs for k in RESERVED)):
-        raise InvalidRequest("chat_template_kwargs", f"must be a JSON object of template variables other than "
-                                                     f"{', '.join(RESERVED)}")
+            or not all(isinstance(k, str) for k in kwargs)):
+        raise InvalidRequest("chat_template_kwargs", "must be a JSON object of template variables")
     if tokenizer is None or not tokenizer.chat_template:
         raise InvalidRequest("messages", "this model has no chat template: send a plain prompt instead")
     add_generation_prompt = kwargs.pop("add_generation_prompt", True)
@@ -112,9 +112,9 @@ def chat_token_ids(tokenizer: Tokenizer | None, messages: object, tools: object 
     plain = [{k: v for k, v in m.items() if v is not None} for m in messages]
     try:
         text = tokenizer.apply_chat_template(plain, add_generation_prompt=bool(add_generation_prompt),
-                                             tools=tools, documents=documents, **kwargs)
+                                             tools=tools, documents=documents, variables=kwargs)
     except TemplateRefused as exc:
-        raise InvalidRequest("messages", f"the chat template refused the messages: {exc}") from None
+        raise InvalidRequest(exc.field, f"the chat template refused the {exc.field}: {exc}") from None
     return tokenizer.encode(text, "messages")
 
 

@@ -1,8 +1,10 @@
 """What keeps hostile clients from holding the HTTP door's threads: a cap on open connections
 (the excess answered 503 at once, with no thread spent on it), and deadlines a slow client
 cannot stretch — the request line and headers must all arrive within `header_timeout_s`, and a
-body at `min_body_bytes_per_s` or faster — where a per-read timeout alone lets a trickle of one
-byte every 59 s hold a thread forever. One reaper thread enforces every deadline, by shutting
+body at `min_body_bytes_per_s` or faster, counted on the bytes that arrived after a grace of
+`header_timeout_s` (never on the length a client declares: a body over `max_message_bytes` is
+answered 413 at once) — where a per-read timeout alone lets a trickle of one byte every 59 s
+hold a thread forever. One reaper thread enforces every deadline, by shutting
 the late connection's socket (its handler's blocked read then ends)."""
 from __future__ import annotations
 
@@ -69,8 +71,12 @@ class Deadlines:
         self._stop.set()
 
     def arm(self, conn: socket.socket, seconds: float) -> None:
+        self.arm_until(conn, time.monotonic() + seconds)
+
+    def arm_until(self, conn: socket.socket, when: float) -> None:
+        """`when`: a time.monotonic() moment."""
         with self._lock:
-            self._due[conn] = time.monotonic() + seconds
+            self._due[conn] = when
 
     def disarm(self, conn: socket.socket) -> None:
         with self._lock:

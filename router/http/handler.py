@@ -9,8 +9,9 @@ Errors are OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}` (rou
 with the status of router/errors.py's table: 400 for a bad request (naming `param`), 404 for
 another model, 429 with Retry-After when the router's queue is full, 503 with Retry-After when
 no worker of a needed role is alive; and the door's own: 401 with `WWW-Authenticate: Bearer`
-without a known token, 404 for an unknown route, 413 for a body over
-`frontdoor.max_message_bytes`, 503 while starting or draining.
+without a known token, 404 for an unknown route, 413 for a body declared over
+`frontdoor.max_message_bytes` (at once, before any of it is read), 400 for a body nested deeper
+than engine.json_nesting.MAX_DEPTH (naming the top-level field), 503 while starting or draining.
 
 Auth (when tokens are configured) covers every route, /metrics included (Prometheus sends
 the token with `authorization: {credentials_file: ...}`), except /health while
@@ -24,12 +25,13 @@ import contextlib
 import json
 import logging
 import socket
+import ssl
 import time
-import traceback
 from http.server import BaseHTTPRequestHandler
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+from engine.json_nesting import MAX_DEPTH, nests_deeper_than
 from router.auth import DEFAULT_TENANT
 from router.backend import Backend
 from router.errors import ModelNotFound
@@ -47,7 +49,12 @@ IO_TIMEOUT_S = 60.0  # one socket read or write; a client that stalls this long 
 # client that reads slowly): past it the handler's write waits, so a slow reader's stream waits
 # at the door, and the window behind it (engine.messages.STREAM_WINDOW_CHUNKS) up to the worker.
 SEND_BUFFER_BYTES = 128 << 10
-DRAIN_LIMIT_BYTES = 64 << 20  # an oversized body up to this is read and dropped, so the 413 reaches the client
+# After a 413 (sent at once, before its body), what the client is still sending is read and
+# dropped for this long, so that closing does not reset the connection before it reads the
+# answer; then the connection closes, however much more it declared.
+DRAIN_GRACE_S = 1.0
+DRAIN_LIMIT_BYTES = 64 << 20
+BODY_READ_BYTES = 1 << 16
 DOOR = "http"
 
 
@@ -71,8 +78,11 @@ class Handler(BaseHTTPRequestHandler):
         except ValueError:
             length = 0  # _body answers 400
         fd = self.server.frontdoor
-        if length:  # then the body at min_body_bytes_per_s or faster
-            self.server.deadlines.arm(self.connection, fd.header_timeout_s + length / fd.min_body_bytes_per_s)
+        self.body_started = time.monotonic()
+        if length > fd.max_message_bytes:  # answered 413 at once (_body), then drained for DRAIN_GRACE_S
+            self.server.deadlines.arm(self.connection, fd.header_timeout_s + DRAIN_GRACE_S)
+        elif length:  # a grace of header_timeout_s, extended as the body arrives (_read_body)
+            self.server.deadlines.arm(self.connection, fd.header_timeout_s)
         else:
             self.server.deadlines.disarm(self.connection)
         return ok
@@ -106,6 +116,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         record, metrics = Record(), self.server.metrics
+        self.over_limit = False
         self.server.track(+1)
         metrics.in_flight.labels(DOOR).inc()
         try:
@@ -118,11 +129,11 @@ class Handler(BaseHTTPRequestHandler):
         except CLIENT_GONE:
             record.outcome = "cancelled"  # the client left before its answer
         except Exception as exc:
-            error = api_error(exc)
-            if error.status == 500:  # a bug: answer rather than drop the connection
-                traceback.print_exc()
+            error = api_error(exc)  # a bug (500) is logged there, once, under the log id the client reads
             record.outcome = outcome(error)
             self._error(error)
+            if self.over_limit:
+                self._drain()
         finally:
             metrics.in_flight.labels(DOOR).dec()
             ok = record.outcome == "ok"
@@ -199,19 +210,11 @@ class Handler(BaseHTTPRequestHandler):
                 raise ValueError
         except ValueError:
             raise ApiError(400, f"bad Content-Length {self.headers.get('Content-Length')!r:.40}") from None
-        if length > limit:
-            if length <= DRAIN_LIMIT_BYTES:  # read it, so the client is not reset before it sees the 413
-                with contextlib.suppress(TimeoutError):
-                    while length > 0 and (got := self.rfile.read(min(length, 1 << 16))):
-                        length -= len(got)
+        if length > limit:  # answered before any of it is read (do_POST then drains for DRAIN_GRACE_S)
+            self.over_limit = True
             raise ApiError(413, f"request body of {self.headers['Content-Length']} bytes is over the "
                                 f"{limit}-byte limit (frontdoor.max_message_bytes)")
-        try:
-            data = self.rfile.read(length)
-        except TimeoutError:
-            raise ApiError(408, f"the request body did not arrive within {self.server.io_timeout_s:g} s") from None
-        finally:
-            self.server.deadlines.disarm(self.connection)  # the answer's writes have their own timeout
+        data = self._read_body(length)
         if len(data) < length:
             raise ApiError(400, f"request body ended after {len(data)} of {length} bytes (Content-Length)")
         try:
@@ -220,7 +223,49 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(400, f"request body is not valid JSON: {type(exc).__name__}: {exc}"[:200]) from None
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object")
+        for key, value in body.items():  # before anything recurses over it (the chat template's walk)
+            if nests_deeper_than(value, MAX_DEPTH - 1):
+                raise ApiError(400, f"{key!r:.60} is nested deeper than {MAX_DEPTH} levels of objects and arrays "
+                                    f"(the body counted as one); flatten it", param=key)
         return body
+
+    def _read_body(self, length: int) -> bytes:
+        """`length` bytes (at most max_message_bytes), or fewer if the client ends or stalls. The
+        deadline follows what has arrived: header_timeout_s of grace from the headers' end, plus
+        1 / min_body_bytes_per_s for each byte received, so a client that declares a large body
+        and trickles it is cut off for its trickle, not given time for what it only promised."""
+        fd, deadlines = self.server.frontdoor, self.server.deadlines
+        chunks, got = [], 0
+        try:
+            while got < length:
+                chunk = self.rfile.read1(min(length - got, BODY_READ_BYTES))
+                if not chunk:
+                    break  # the client ended, or the deadline shut its socket
+                chunks.append(chunk)
+                got += len(chunk)
+                deadlines.arm_until(self.connection, self.body_started + fd.header_timeout_s
+                                    + got / fd.min_body_bytes_per_s)
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.server.io_timeout_s:g} s") from None
+        finally:
+            deadlines.disarm(self.connection)  # the answer's writes have their own timeout
+        return b"".join(chunks)
+
+    def _drain(self) -> None:
+        """After a 413 sent before its body: the answer is complete (FIN), then what the client
+        is still sending is read and dropped for DRAIN_GRACE_S at most, so that closing does not
+        reset the connection before the client reads the 413; then the connection closes."""
+        self.close_connection = True
+        conn, end, left = self.connection, time.monotonic() + DRAIN_GRACE_S, DRAIN_LIMIT_BYTES
+        with contextlib.suppress(OSError, ValueError):
+            if not isinstance(conn, ssl.SSLSocket):  # a TLS socket's shutdown would end its session
+                conn.shutdown(socket.SHUT_WR)
+            while left > 0 and (remaining := end - time.monotonic()) > 0:
+                conn.settimeout(remaining)
+                got = self.rfile.read1(min(left, BODY_READ_BYTES))
+                if not got:
+                    break
+                left -= len(got)
 
     # -- output ---------------------------------------------------------------------
     def send_event(self, payload: dict) -> None:
