@@ -135,25 +135,41 @@ def _before_replace(budget: Budget, s: Any, old: Any, new: Any) -> None:
         budget.fits(len(s) + hits * len(new), "replace")
 
 
+def _widening_size(values: list) -> int:
+    first = values[0] if values else None
+    lines = first.count("\n") + 1 if isinstance(first, str) else 1
+    return _size(first) + lines * sum(max(a, 0) if _int(a) else _size(a) for a in values[1:])
+
+
+def _join_size(values: list) -> int | None:
+    if not (values and hasattr(values[0], "__len__")):
+        return None
+    sep = values[1] if len(values) > 1 and isinstance(values[1], str) else ""
+    return len(sep) * len(values[0])
+
+
+def _wordwrap_size(values: list) -> int | None:  # a wrapstring at every break, at most
+    if not (values and isinstance(values[0], str)):
+        return None
+    return len(values[0]) * (1 + max([_size(a) for a in values[1:] if isinstance(a, str)], default=1))
+
+
+_FILTER_SIZES: dict[str, Callable[[list], int | None]] = {"join": _join_size, "wordwrap": _wordwrap_size}
+
+
 def _before_filter(budget: Budget, name: str, args: tuple, kwargs: dict) -> None:
     # The filter's own arguments, past the context or environment jinja may pass it first.
     values = [a for a in args if not hasattr(a, "environment")] + list(kwargs.values())
-    if name in _WIDENING_FILTERS:
-        first = values[0] if values else None
-        lines = first.count("\n") + 1 if isinstance(first, str) else 1
-        budget.fits(_size(first) + lines * sum(max(a, 0) if _int(a) else _size(a) for a in values[1:]), name)
-    elif name == "join" and values and hasattr(values[0], "__len__"):
-        sep = values[1] if len(values) > 1 and isinstance(values[1], str) else ""
-        budget.fits(len(sep) * len(values[0]), "join")
-    elif name == "replace" and len(values) >= 3:
-        _before_replace(budget, *values[:3])
-    elif name == "wordwrap" and values and isinstance(values[0], str):  # a wrapstring at every break, at most
-        budget.fits(len(values[0]) * (1 + max([_size(a) for a in values[1:] if isinstance(a, str)], default=1)),
-                    "wordwrap")
-    elif name == "format" and values and isinstance(values[0], str):
-        _before_format(budget, values[0], tuple(values[1:]))
-    else:
+    if name == "replace" and len(values) >= 3:
+        return _before_replace(budget, *values[:3])
+    if name == "format" and values and isinstance(values[0], str):
+        return _before_format(budget, values[0], tuple(values[1:]))
+    size = _widening_size if name in _WIDENING_FILTERS else _FILTER_SIZES.get(name)
+    need = size(values) if size is not None else None
+    if need is None:
         budget.tick()
+    else:
+        budget.fits(need, name)
 
 
 def _guarded(name: str, f: Callable) -> Callable:

@@ -85,6 +85,28 @@ def prompt_token_ids(tokenizer: Tokenizer | None, prompt: str | Sequence[int]) -
     return [int(t) for t in prompt]
 
 
+def _is_message(m: object) -> bool:
+    if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
+        return False
+    content = m.get("content")
+    return isinstance(content, str) or (content is None and "tool_calls" in m)
+
+
+def _chat_inputs(messages: object, tools: object, documents: object, template_kwargs: object) -> dict:
+    """The chat request's template inputs, checked: the caller's variables as a fresh dict."""
+    if not isinstance(messages, list) or not messages or not all(map(_is_message, messages)):
+        raise InvalidRequest("messages", "must be a non-empty list of {\"role\": str, \"content\": str} "
+                                         "(content may be null on a message with tool_calls)")
+    for name, value in (("tools", tools), ("documents", documents)):
+        if value is not None and not (isinstance(value, list) and all(isinstance(v, dict) for v in value)):
+            raise InvalidRequest(name, "must be a list of JSON objects")
+    if template_kwargs is None:
+        return {}
+    if not isinstance(template_kwargs, dict) or not all(isinstance(k, str) for k in template_kwargs):
+        raise InvalidRequest("chat_template_kwargs", "must be a JSON object of template variables")
+    return dict(template_kwargs)
+
+
 def chat_token_ids(tokenizer: Tokenizer | None, messages: object, tools: object = None, documents: object = None,
                    template_kwargs: object = None) -> list[int]:
     """Chat messages ([{"role", "content", ...}, ...]) through the model's chat template, as token
@@ -92,19 +114,7 @@ def chat_token_ids(tokenizer: Tokenizer | None, messages: object, tools: object 
     OpenAI request's chat_template_kwargs, e.g. {"enable_thinking": false}) reach the template
     as transformers passes them. InvalidRequest naming the field for malformed input; field
     "messages" when the template itself refuses them (its raise_exception)."""
-    if (not isinstance(messages, list) or not messages
-            or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                       and (isinstance(m.get("content"), str) or (m.get("content") is None and "tool_calls" in m))
-                       for m in messages)):
-        raise InvalidRequest("messages", "must be a non-empty list of {\"role\": str, \"content\": str} "
-                                         "(content may be null on a message with tool_calls)")
-    for name, value in (("tools", tools), ("documents", documents)):
-        if value is not None and not (isinstance(value, list) and all(isinstance(v, dict) for v in value)):
-            raise InvalidRequest(name, "must be a list of JSON objects")
-    kwargs = dict(template_kwargs) if isinstance(template_kwargs, dict) else {}
-    if ((template_kwargs is not None and not isinstance(template_kwargs, dict))
-            or not all(isinstance(k, str) for k in kwargs)):
-        raise InvalidRequest("chat_template_kwargs", "must be a JSON object of template variables")
+    kwargs = _chat_inputs(messages, tools, documents, template_kwargs)
     if tokenizer is None or not tokenizer.chat_template:
         raise InvalidRequest("messages", "this model has no chat template: send a plain prompt instead")
     add_generation_prompt = kwargs.pop("add_generation_prompt", True)

@@ -6,6 +6,7 @@ parallel ones (engine.parallel.layers).
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -81,29 +82,22 @@ def parallelize(model: CausalLM, plan: ShardPlan, group: Group) -> None:
 
 def _rank_part(hf: str, st, plan: ShardPlan) -> tuple[str, torch.Tensor] | None:
     """(the name to load it as, this rank's slice of the tensor), or None if not this rank's."""
-    cfg, name = plan.cfg, hf.removeprefix("model.")
+    name = hf.removeprefix("model.")
     shape = st.get_slice(hf).get_shape()
     full: _Slice = tuple(slice(None) for _ in shape)
     if m := _EXPERT.match(name):
-        prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
-        first, count = plan.experts
-        if not first <= expert < first + count:
-            return None
-        s, n = plan.moe_intermediate
-        cut = (slice(None), slice(s, s + n)) if proj == "down_proj" else (slice(s, s + n), slice(None))
-        return f"model.{prefix}.experts.{expert - first}.{proj}.weight", _read(st, hf, cut)
+        return _expert_part(hf, st, plan, m)
     if m := _FUSED_EXPERT.match(name):
-        first, count = plan.experts
-        experts, (s, n) = slice(first, first + count), plan.moe_intermediate
-        if m.group(2) == "down_proj":  # (E, H, I)
-            return hf, _read(st, hf, (experts, slice(None), slice(s, s + n)))
-        inter = cfg.moe_intermediate_size  # gate_up_proj (E, 2I, H): the gate half, then the up half
-        return hf, torch.cat([_read(st, hf, (experts, slice(o + s, o + s + n), slice(None))) for o in (0, inter)],
-                             dim=1)
+        return _fused_experts_part(hf, st, plan, m)
     if plan.tp_size == 1:
         return hf, _read(st, hf, full)
+    return _tensor_parallel_part(hf, st, plan, name, full)
+
+
+def _tensor_parallel_part(hf: str, st, plan: ShardPlan, name: str, full: _Slice) -> tuple[str, torch.Tensor]:
+    """This TP rank's slice of a dense model tensor: heads, vocabulary rows or MLP columns."""
     parts = name.split(".")
-    proj, hd = (parts[-2] if len(parts) >= 2 else ""), cfg.head_dim
+    proj, hd = (parts[-2] if len(parts) >= 2 else ""), plan.cfg.head_dim
     rows = None
     if name in ("embed_tokens.weight", "lm_head.weight"):
         first, count = plan.vocab
@@ -129,6 +123,28 @@ def _rank_part(hf: str, st, plan: ShardPlan) -> tuple[str, torch.Tensor] | None:
             s, n = s * hd, n * hd
         return hf, _read(st, hf, (slice(None), slice(s, s + n)))
     return hf, _read(st, hf, full)
+
+
+def _expert_part(hf: str, st, plan: ShardPlan, m: re.Match) -> tuple[str, torch.Tensor] | None:
+    """One routed expert's matrix, if this rank holds the expert: its slice of the expert's MLP."""
+    prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
+    first, count = plan.experts
+    if not first <= expert < first + count:
+        return None
+    s, n = plan.moe_intermediate
+    cut = (slice(None), slice(s, s + n)) if proj == "down_proj" else (slice(s, s + n), slice(None))
+    return f"model.{prefix}.experts.{expert - first}.{proj}.weight", _read(st, hf, cut)
+
+
+def _fused_experts_part(hf: str, st, plan: ShardPlan, m: re.Match) -> tuple[str, torch.Tensor]:
+    """This rank's experts of a fused (E, ...) expert tensor, each cut to its MLP slice."""
+    first, count = plan.experts
+    experts, (s, n) = slice(first, first + count), plan.moe_intermediate
+    if m.group(2) == "down_proj":  # (E, H, I)
+        return hf, _read(st, hf, (experts, slice(None), slice(s, s + n)))
+    inter = plan.cfg.moe_intermediate_size  # gate_up_proj (E, 2I, H): the gate half, then the up half
+    return hf, torch.cat([_read(st, hf, (experts, slice(o + s, o + s + n), slice(None))) for o in (0, inter)],
+                         dim=1)
 
 
 def _read(st, name: str, cut: _Slice) -> torch.Tensor:

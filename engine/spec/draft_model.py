@@ -40,6 +40,11 @@ from engine.spec.drafter import Proposal
 DRAFT_STREAM = 0x5EED_D4AF  # the draft's draws at a position, apart from the target's (Sampler.generator_for)
 
 
+def _packing(s: ScheduledSeq) -> tuple[bool, int]:
+    """Decodes first (the runner packs them first), then catch-up chunks by length (grouped)."""
+    return s.num_new_tokens != 1, s.num_new_tokens
+
+
 class DraftModelDrafter:
     def __init__(self, runner: ModelRunner, pool: BlockPool, cache: RadixCache | None, block_size: int,
                  model_id: str, sampler: Sampler, chunk_tokens: int = 2048):
@@ -58,18 +63,8 @@ class DraftModelDrafter:
         live, catch_up = self._share_budget([(i, m) for i, m in synced if m is not None], ks)
         probs: dict[int, list[torch.Tensor]] = {i: [] for i, _ in live}
         while live:
-            batch = [ScheduledSeq(m, m.num_tokens - m.num_computed) for _, m in live] + catch_up
+            tokens, qs = self._pass(live, catch_up, seqs)
             catch_up = []  # chunks ride the first pass only, and get no logits row
-            # Decodes first (the runner packs them first), then catch-ups by length (grouped).
-            batch.sort(key=lambda s: (s.num_new_tokens != 1, s.num_new_tokens))
-            order = {id(s.seq): j for j, s in enumerate(s for s in batch if s.samples)}
-            logits = self.runner.run(batch)  # (B, V), a row per sampling mirror in batch order
-            self.computed_tokens += sum(s.num_new_tokens for s in batch)
-            for s in batch:
-                s.seq.num_computed += s.num_new_tokens
-            rows = [order[id(m)] for _, m in live]
-            tokens, qs = self._draw(logits[rows], [seqs[i].params for i, _ in live],
-                                    [m.num_tokens - m.num_prompt_tokens for _, m in live])
             nxt = []
             for (i, m), token, q in zip(live, tokens, qs):
                 props[i].tokens.append(token)
@@ -80,14 +75,31 @@ class DraftModelDrafter:
                     nxt.append((i, m))
             live = nxt
         if catch_up:  # no mirror proposes: only catch-up chunks compute this step
-            self.runner.run(sorted(catch_up, key=lambda s: (s.num_new_tokens != 1, s.num_new_tokens)))
-            for s in catch_up:
-                self.computed_tokens += s.num_new_tokens
-                s.seq.num_computed += s.num_new_tokens
+            self._compute(catch_up)
         for i, qs in probs.items():
             if qs:
                 props[i].probs = torch.stack(qs)  # (k, V)
         return props
+
+    def _pass(self, live: list[tuple[int, Sequence]], catch_up: list[ScheduledSeq], seqs: list[Sequence]):
+        """One draft pass: every live mirror computes what it has not seen (catch-up chunks ride
+        along) and draws its next proposal token."""
+        batch = [ScheduledSeq(m, m.num_tokens - m.num_computed) for _, m in live] + catch_up
+        batch.sort(key=_packing)
+        order = {id(s.seq): j for j, s in enumerate(s for s in batch if s.samples)}
+        logits = self._compute(batch)  # (B, V), a row per sampling mirror in batch order
+        rows = [order[id(m)] for _, m in live]
+        return self._draw(logits[rows], [seqs[i].params for i, _ in live],
+                          [m.num_tokens - m.num_prompt_tokens for _, m in live])
+
+    def _compute(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+        """The draft model's forward over `batch`, packed as the runner wants; its logits."""
+        batch.sort(key=_packing)
+        logits = self.runner.run(batch)
+        for s in batch:
+            self.computed_tokens += s.num_new_tokens
+            s.seq.num_computed += s.num_new_tokens
+        return logits
 
     def _share_budget(self, mirrors: list[tuple[int, Sequence]], ks: list[int]) -> tuple[
             list[tuple[int, Sequence]], list[ScheduledSeq]]:

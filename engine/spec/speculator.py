@@ -58,13 +58,29 @@ class Speculator:
         plain decodes first, as the runner wants)."""
         if self.off:
             return
+        cands, ks = self._candidates(batch)
+        # Prefill chunks ask for no proposals: a draft model catches up on their prompts meanwhile.
+        warm = [s for s in batch if (s.num_new_tokens > 1 or not s.samples) and self._speculates(s.seq)]
+        if not cands and not warm:
+            return
+        for s, prop in zip(cands, self._draft(cands + warm, ks + [0] * len(warm))):
+            self._extend(s, prop)
+        # Plain decodes first by context (as the scheduler packs them), then verifications by
+        # length (the runner attends each run of equal length in one call), then prefill chunks.
+        batch.sort(key=lambda s: (s.num_new_tokens != 1, not s.num_draft, s.num_draft,
+                                  s.seq.num_computed if s.num_new_tokens == 1 or s.num_draft else 0))
+
+    def _candidates(self, batch: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], list[int]]:
+        """The decodes that propose this step and how many tokens each, within the step's room."""
         decodes = [s for s in batch if s.num_new_tokens == 1 and s.samples]
         compute_bound = len(decodes) > self.cfg.max_batch
         room = self.max_batched_tokens - sum(s.num_new_tokens for s in batch)
         cands, ks = [], []
         for s in decodes:
             seq, p = s.seq, s.seq.params
-            if not self._speculates(seq) or seq.num_tokens == seq.num_prompt_tokens or room <= 0:
+            if room <= 0:
+                break
+            if not self._speculates(seq) or seq.num_tokens == seq.num_prompt_tokens:
                 continue
             if compute_bound and (p.seed is None or p.greedy):  # a seeded sample keeps its k: batch-independent
                 continue
@@ -74,25 +90,19 @@ class Speculator:
                 cands.append(s)
                 ks.append(k)
                 room -= k
-        # Prefill chunks ask for no proposals: a draft model catches up on their prompts meanwhile.
-        warm = [s for s in batch if (s.num_new_tokens > 1 or not s.samples) and self._speculates(s.seq)]
-        if not cands and not warm:
-            return
-        for s, prop in zip(cands, self._draft(cands + warm, ks + [0] * len(warm))):
-            k = len(prop.tokens)
-            seq = s.seq
-            need = -(-(seq.num_tokens + k) // self.block_size) - len(seq.block_table)
-            if k == 0 or (need > 0 and not self.pool.can_allocate(need)):
-                continue  # no guess, or no room: a plain decode this step
-            if need > 0:
-                seq.block_table += self.pool.allocate(need)
-            seq.token_ids += prop.tokens
-            s.num_new_tokens, s.num_draft = 1 + k, k
-            self.proposals[seq.request_id] = prop
-        # Plain decodes first by context (as the scheduler packs them), then verifications by
-        # length (the runner attends each run of equal length in one call), then prefill chunks.
-        batch.sort(key=lambda s: (s.num_new_tokens != 1, not s.num_draft, s.num_draft,
-                                  s.seq.num_computed if s.num_new_tokens == 1 or s.num_draft else 0))
+        return cands, ks
+
+    def _extend(self, s: ScheduledSeq, prop: Proposal) -> None:
+        """A decode becomes a verification of its proposal (when its blocks can grow to hold it)."""
+        k, seq = len(prop.tokens), s.seq
+        need = -(-(seq.num_tokens + k) // self.block_size) - len(seq.block_table)
+        if k == 0 or (need > 0 and not self.pool.can_allocate(need)):
+            return  # no guess, or no room: a plain decode this step
+        if need > 0:
+            seq.block_table += self.pool.allocate(need)
+        seq.token_ids += prop.tokens
+        s.num_new_tokens, s.num_draft = 1 + k, k
+        self.proposals[seq.request_id] = prop
 
     def _speculates(self, seq: Sequence) -> bool:
         p = seq.params
