@@ -12,7 +12,7 @@ benchmarks/results/chaos.json (key prefix fresh_clone.) next to the chaos suite'
 
 Both are over this invocation's runs; the runs of earlier invocations stay in raw (earlier).
 
-  python benchmarks/fresh_clone_bench.py              # 3 runs (~15 minutes each on 2 cores)
+  python benchmarks/fresh_clone_bench.py              # 3 runs (~25 minutes each on 2 cores)
   python benchmarks/fresh_clone_bench.py --runs 1 --keep
 
 --logs LOG[@COMMIT] ... records runs made by hand the same way (`git clone . X && cd X && bash
