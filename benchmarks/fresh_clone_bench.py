@@ -3,16 +3,16 @@
 A newcomer's first `make test` (and CI's) starts from a clean clone: no .venv, no build
 outputs, Ray and redis-server started cold. This clones HEAD N times beside this checkout (where
 ../shared, the tests' shared data, is found), each clone's log beside it as fresh-clone-*.log,
-runs `bash .ci/run` in each (it installs everything, then runs the README's test command) and
-reads pytest's summary line. The figures merge into benchmarks/results/chaos.json (key prefix
-fresh_clone.) next to the chaos suite's start-up loop:
+runs `bash .ci/run` in each (it installs everything, then runs `make test` and the extended
+tier, `make test-extended`) and reads pytest's summary lines. The figures merge into
+benchmarks/results/chaos.json (key prefix fresh_clone.) next to the chaos suite's start-up loop:
 
   fresh_clone.failures       failed + errored tests over all runs (target <= 0)
   fresh_clone.green_fraction runs whose .ci/run exited 0 (target >= 1.0)
 
 Both are over this invocation's runs; the runs of earlier invocations stay in raw (earlier).
 
-  python benchmarks/fresh_clone_bench.py              # 3 runs (~15 minutes each on 2 cores)
+  python benchmarks/fresh_clone_bench.py              # 3 runs (~25 minutes each on 2 cores)
   python benchmarks/fresh_clone_bench.py --runs 1 --keep
 
 --logs LOG[@COMMIT] ... records runs made by hand the same way (`git clone . X && cd X && bash
@@ -41,14 +41,15 @@ SUMMARY = re.compile(r"^=+ (?P<body>.*\d+ (?:passed|failed|error).*) in (?P<secs
 
 
 def parse_log(text: str) -> dict:
-    """pytest's last summary line and the exit status (`rc=N`, appended by the caller) of one run."""
+    """pytest's summary lines (`make test`'s, then the extended tier's), summed, and the exit
+    status (`rc=N`, appended by the caller) of one run."""
     out: dict = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "test_s": None, "rc": None}
     for line in text.splitlines():
         m = SUMMARY.match(line.strip())
         if m:
-            out["test_s"] = float(m["secs"])
+            out["test_s"] = round((out["test_s"] or 0.0) + float(m["secs"]), 2)
             for count, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?)", m["body"]):
-                out["errors" if kind.startswith("error") else kind] = int(count)
+                out["errors" if kind.startswith("error") else kind] += int(count)
         elif line.startswith("rc="):
             out["rc"] = int(line[3:])
     return out

@@ -28,7 +28,8 @@ class RouterActor:
     @ray.method(_generator_backpressure_num_objects=STREAM_WINDOW_CHUNKS)
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
         """Runs at most STREAM_WINDOW_CHUNKS ahead of its reader: a slow client's request keeps
-        its admission slot until the client has read it."""
+        its admission slot until the client has read all but the last window of it (the slot is
+        given back as the last chunk is made, Router.generate)."""
         async for chunk in self.router.generate(req):
             yield chunk
 

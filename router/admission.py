@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from router.config import RouterConfig
 from router.errors import Overloaded
@@ -23,8 +23,8 @@ class Admission:
         self._slots = asyncio.Semaphore(cfg.max_running)
 
     @contextlib.asynccontextmanager
-    async def slot(self, prompt_tokens: int) -> AsyncIterator[float]:
-        """Hold a running slot for one request; yields the seconds it waited for it."""
+    async def slot(self, prompt_tokens: int) -> AsyncIterator[Slot]:
+        """Hold a running slot for one request, until the block ends or Slot.release()."""
         if self._slots.locked() and (self.waiting >= self.cfg.max_waiting
                                      or self.waiting_tokens + prompt_tokens > self.cfg.max_waiting_tokens):
             raise Overloaded(f"overloaded: {self.waiting} requests ({self.waiting_tokens} prompt tokens) waiting; "
@@ -40,11 +40,15 @@ class Admission:
             self.waiting_tokens -= prompt_tokens
         self.running += 1
         self._note_peak()
+        held = Slot(time.monotonic() - arrived, self._release)
         try:
-            yield time.monotonic() - arrived
+            yield held
         finally:
-            self.running -= 1
-            self._slots.release()
+            held.release()
+
+    def _release(self) -> None:
+        self.running -= 1
+        self._slots.release()
 
     def _note_peak(self) -> None:
         for name in self.peak:
@@ -53,3 +57,16 @@ class Admission:
     def status(self) -> dict:
         return {"waiting": self.waiting, "running": self.running, "waiting_tokens": self.waiting_tokens,
                 "peak": dict(self.peak)}
+
+
+class Slot:
+    """One request's running slot; `waited_s`: how long it waited for it."""
+
+    def __init__(self, waited_s: float, release: Callable[[], None]):
+        self.waited_s, self._release = waited_s, release
+
+    def release(self) -> None:
+        """Give the slot back (once; again is a no-op)."""
+        if self._release is not None:
+            self._release, release = None, self._release
+            release()

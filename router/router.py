@@ -61,8 +61,8 @@ class Router:
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
         """The request's chunks, the last one `finished` with usage, timing and its workers."""
         arrived = time.monotonic()
-        async with self.admission.slot(len(req.prompt_token_ids)) as queued_s:
-            timing = Timing(queue_s=queued_s)
+        async with self.admission.slot(len(req.prompt_token_ids)) as slot:
+            timing = Timing(queue_s=slot.waited_s)
             try:
                 first = True
                 async for chunk, prefill, decode in self._migrating(req, timing):
@@ -73,6 +73,11 @@ class Router:
                         chunk.timing = timing
                         chunk.prefill_worker = prefill.worker_id if prefill else None
                         chunk.decode_worker = decode.worker_id if decode else None
+                        # Its workers are done with it. Free the slot before the answer leaves:
+                        # this generator resumes only once the reader takes the chunk (the doors
+                        # read through a window), and a client that got its answer may already
+                        # have sent its next request.
+                        slot.release()
                     else:
                         chunk.timing = None
                     yield chunk

@@ -10,6 +10,7 @@ nothing Brigade opens listens on a wildcard; greedy tokens equal one engine's.
 """
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -24,9 +25,12 @@ import pytest
 from ray_nodes import HEAD_IP, RayNodes
 from serve_process import Served, brigade_serve
 
+from router.index.view import IndexView
+
 pytestmark = pytest.mark.extended  # multi-node Ray: `make test-extended`, not `make test`
 
 PREFILL_IP, DECODE_IP = "127.0.19.2", "127.0.19.3"
+PREFILL_WORKERS = ("prefill-0", "prefill-1")  # the owner's --prefill 2, by their Ray actor names
 PLACEMENT = {"placement": {"prefill": {"prefill": 1}, "decode": {"decode": 1}}, "transfer": {"host": "node"}}
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 1000, 64, 12, 8, 400, 33, 21, 77, 90, 1, 2, 3, 4]
 
@@ -219,6 +223,35 @@ def test_a_lost_kv_link_between_nodes_is_recomputed_around_and_the_pair_rebuilt(
         if clean == 2:
             break
     assert clean == 2, new_log()[-3000:]
+    # Those all went to the worker holding PROMPT's prefix. The other prefill worker's links were
+    # reset too, and an idle worker finds a dead link only at its next transfer: it must carry KV
+    # over a rebuilt pair as well, or the next test's first request there is recomputed and its
+    # pair is rebuilt under that test.
+    _each_prefill_worker_carries_kv(owner)
+
+
+def _each_prefill_worker_carries_kv(served: Served, timeout_s: float = 180) -> None:
+    """Fresh prompts through `served`'s gRPC door (which names each request's prefill worker and
+    whether its decode worker recomputed it) until every prefill worker has sent one's KV: a new
+    conversation goes to the worker routed the fewest, so the idle one takes the next."""
+    import random
+
+    from brigade_client import Client
+    from support import wait_for
+
+    rng, carried, answers = random.Random(23), set(), []
+
+    def one_more() -> bool:
+        out = client.generate([rng.randrange(3, 4096) for _ in range(40)], max_tokens=2, temperature=0,
+                              ignore_eos=True)
+        answers.append((out.prefill_worker, out.timing.recomputed))
+        if not out.timing.recomputed:
+            carried.add(out.prefill_worker)
+        return carried >= set(PREFILL_WORKERS)
+
+    with Client(served.grpc_target, timeout=120) as client:
+        wait_for(one_more, timeout_s, lambda: f"KV carried by every prefill worker; (worker, recomputed): {answers}",
+                 0.25)
 
 
 # --- more than one front over the same workers ---------------------------------------------------------
@@ -255,20 +288,47 @@ def test_a_second_front_serves_the_same_workers_without_starting_any(nodes: RayN
     assert complete(front_b.http_base, PROMPT)["choices"][0]["token_ids"] == reference
 
 
-def test_a_prompt_first_sent_to_one_front_is_a_prefix_hit_through_the_other(owner: Served, front_b: Served) -> None:
+def test_a_prompt_first_sent_to_one_front_is_a_prefix_hit_through_the_other(owner: Served, front_b: Served, driver,
+                                                                             shared_redis: str) -> None:
     """Two prefill workers: only the shared index sends B's repeat to the worker A's request warmed."""
     import random
-    import time
+
+    from support import wait_for
 
     rng = random.Random(19)
     prompts = [[rng.randrange(3, 4096) for _ in range(80)] for _ in range(4)]  # 5 blocks each
     for prompt in prompts:
         first = complete(owner.http_base, prompt, max_tokens=2)
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    time.sleep(1.0)  # the workers publish their cache events every 50 ms
+    # A worker publishes its cache events in batches (every 50 ms), after it answered: the
+    # index, not the first answer, says when B can find the prefix.
+    with _shared_index(driver, shared_redis) as index:
+        published = lambda: [_longest_hit(index, p) for p in prompts]  # noqa: E731
+        wait_for(lambda: published() == [4] * 4, 60, lambda: f"every prompt's 4 usable blocks published: {published()}",
+                 0.05)
     cached = [complete(front_b.http_base, p, max_tokens=2)["usage"]["prompt_tokens_details"]["cached_tokens"]
               for p in prompts]
     assert cached == [64] * 4, cached  # every full block but the last (the last token is always computed)
+
+
+@contextlib.contextmanager
+def _shared_index(driver, redis_url: str) -> Iterator[IndexView]:
+    """The prefix index as a front reads it, bound to the model and block size the workers hash with."""
+    from router.config import IndexConfig
+
+    report = driver.get(driver.get_actor(PREFILL_WORKERS[0]).health.remote(), timeout=60)
+    view = IndexView(redis_url, IndexConfig(), timeout_s=10.0)
+    try:
+        view.bind(report.model_id, report.block_size)
+        yield view
+    finally:
+        view.close()
+
+
+def _longest_hit(view: IndexView, prompt: list[int]) -> int:
+    """The most leading blocks of `prompt` (those a request can use) any live worker holds, by the index."""
+    hits = view.index.query(view.hashes(prompt, None), view.index.live_epochs())
+    return max((hit.blocks for hit in hits.values()), default=0)
 
 
 def test_admission_is_bounded_per_front(owner: Served, front_b: Served) -> None:

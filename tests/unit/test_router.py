@@ -267,6 +267,26 @@ def test_overloaded_admission_refuses_at_once():
     asyncio.run(main())
 
 
+def test_a_request_leaves_admission_before_its_last_chunk_reaches_the_client():
+    """A client that has its whole answer and sends the next request at once is admitted, even
+    before the first request's stream (paused by its reader at the last chunk) is closed."""
+    async def main():
+        router = disagg(Prefill("prefill-0"), Decode("decode-0"), max_running=1, max_waiting=0)
+        for max_tokens in (1, 6):  # answered by the prefill worker alone; through a decode worker
+            stream = router.generate(req(f"first-{max_tokens}", max_tokens))
+            while not (await stream.__anext__()).finished:
+                pass
+            assert router.admission.running == 0
+            following = router.generate(req(f"next-{max_tokens}"))
+            assert (await following.__anext__()).token_ids == expected(1)
+            await following.aclose()
+            await stream.aclose()
+        return router
+
+    router = asyncio.run(main())
+    assert router.admission.peak["running"] == 1  # never more dispatched at once than max_running
+
+
 @pytest.mark.parametrize("exc", [
     InvalidRequest("max_tokens", "too many"), ModelNotFound("gpt-9", "tiny"), Overloaded("full"),
     StreamBroken(3, "died after 3 tokens"), NoWorker("no decode worker"), Aborted("aborted"), RuntimeError("bug"),
