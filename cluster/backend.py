@@ -29,7 +29,7 @@ from engine.engine_setup import context_length, model_id_for
 from engine.messages import STREAM_WINDOW_CHUNKS, Chunk, GenerateRequest
 from engine.model_config import ModelConfig
 from engine.presets import resolve_model
-from engine.request_checks import check_request
+from engine.request_checks import check_request, output_room
 from engine.sampling import InvalidRequest, SamplingParams
 from engine.tokenizer import Tokenizer, chat_token_ids, prompt_token_ids
 from router.errors import NoWorker
@@ -88,6 +88,10 @@ class ClusterBackend:
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         check_request(token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len,
                       block_size=self.block_size, num_blocks=self.num_blocks)
+
+    def output_room(self, token_ids: list[int]) -> int:
+        return output_room(token_ids, max_model_len=self.max_model_len, block_size=self.block_size,
+                           num_blocks=self.num_blocks)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
         """The request's chunks through the router. Leaving early (aclose(), or the task

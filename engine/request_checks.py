@@ -2,7 +2,7 @@
 directly) against the engine's shape, and on the worker against its own KV pool."""
 from __future__ import annotations
 
-from engine.sampling import InvalidRequest, SamplingParams
+from engine.sampling import MAX_TOKENS_LIMIT, InvalidRequest, SamplingParams
 
 
 def check_request(token_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int,
@@ -31,6 +31,14 @@ def check_request(token_ids: list[int], params: SamplingParams, *, vocab_size: i
         raise InvalidRequest("resumed_tokens", f"{params.resumed_tokens} resumed tokens leave no prompt of the "
                                                f"{len(token_ids)} tokens")
     check_fits(token_ids, params, block_size=block_size, num_blocks=num_blocks, vocab_size=vocab_size)
+
+
+def output_room(token_ids: list[int], *, max_model_len: int, block_size: int, num_blocks: int) -> int:
+    """The most output tokens this prompt leaves room for: the rest of the context, within a
+    KV pool of `num_blocks` (what a chat request that names no max_tokens may generate, as
+    OpenAI's and vLLM's chat endpoints do). At least 1, so an over-long prompt fails its own
+    check (naming the prompt) rather than this one."""
+    return max(1, min(max_model_len, block_size * num_blocks, len(token_ids) + MAX_TOKENS_LIMIT) - len(token_ids))
 
 
 def check_token_range(token_ids: list[int], vocab_size: int) -> None:

@@ -34,6 +34,10 @@ class Backend(Protocol):
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         """InvalidRequest naming the field if the request can never run."""
 
+    def output_room(self, token_ids: list[int]) -> int:
+        """The most tokens an answer to this prompt can have: the rest of the context, within
+        the smallest worker's KV pool. A chat request that names no max_tokens gets it."""
+
     def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
         """The request's chunks, the last one `finished`. Admission errors (Overloaded,
         NoWorker, InvalidRequest) come from the first chunk. Leaving early (aclose(), or the

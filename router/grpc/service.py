@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -159,6 +160,8 @@ class BrigadeService:
         params = msgs.sampling_params(msg.sampling)
         kind, value = msgs.prompt(msg)
         ids = backend.chat_token_ids(value) if kind == "chat" else backend.tokenize(value)
+        if kind == "chat" and not msg.sampling.HasField("max_tokens"):  # as the HTTP door's chat
+            params = dataclasses.replace(params, max_tokens=backend.output_room(ids))
         backend.validate(ids, params)
         internal = f"grpc-{uuid.uuid4().hex}"
         salt = cache_salt(tenant, msg.cache_salt or None)  # the same rule as the HTTP door

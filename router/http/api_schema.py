@@ -104,7 +104,8 @@ def request_models(vocab_size: int, max_model_len: int, model_name: str | None =
 
     class ChatCompletionRequest(Sampling):
         messages: Annotated[list[ChatMessage], Field(min_length=1)]
-        max_completion_tokens: MaxTokens | None = Field(None, description="wins over max_tokens")
+        max_completion_tokens: MaxTokens | None = Field(None, description=(
+            "wins over max_tokens; without either, the rest of the context (within the KV pool)"))
         logprobs: bool | None = None
         top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
             None, description="needs logprobs: true")

@@ -94,6 +94,8 @@ def parse_chat(body: dict, backend) -> ParsedRequest:
     if body.get("chat_template_kwargs") is not None:
         template["template_kwargs"] = body["chat_template_kwargs"]
     ids = backend.chat_token_ids(_text_parts_joined(body.get("messages")), **template)
+    if fields.get("max_tokens") is None:  # a chat answer runs to its end, not to a legacy 16 tokens
+        fields["max_tokens"] = backend.output_room(ids)
     try:
         params = sampling_params(fields, SamplingParams(), SAMPLING_FIELDS)
         backend.validate(ids, params)

@@ -67,6 +67,9 @@ class StandIn:
         if not ids:
             raise InvalidRequest("prompt", "prompt is empty")
 
+    def output_room(self, ids) -> int:
+        return self.max_model_len - len(ids)
+
     async def generate(self, req):
         self.calls.append(req)
         if self.fail:
@@ -406,3 +409,14 @@ def test_the_client_package_installs_and_imports_alone(tmp_path) -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           env={"PYTHONPATH": str(target)}, cwd=tmp_path)
     assert proc.stdout.splitlines() == [str(target / "brigade_client" / "__init__.py"), "BrigadeStub"]
+
+
+def test_a_chat_without_max_tokens_may_run_to_the_end_of_the_context(door) -> None:
+    """As the HTTP door's chat (and OpenAI's): an unset max_tokens on a chat prompt is the room
+    the context leaves; a text or token-id prompt keeps the engine's default, and a set one stays."""
+    server, backend = door
+    with Client(server.address) as client:
+        client.chat([{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}])
+        client.chat([{"role": "user", "content": "hi"}], max_tokens=5)
+        client.generate("hi")
+    assert [r.params.max_tokens for r in backend.calls] == [backend.max_model_len - 2, 5, 16]

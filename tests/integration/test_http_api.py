@@ -27,7 +27,7 @@ from support import wait_for
 
 from engine.messages import Chunk
 from engine.outputs import Usage
-from engine.request_checks import check_request
+from engine.request_checks import check_request, output_room
 from engine.sampling import InvalidRequest, TokenLogprobs
 from router.auth import Authenticator
 from router.config import FrontDoorConfig
@@ -67,6 +67,9 @@ class FakeBackend:
     def validate(self, token_ids, params) -> None:
         check_request(token_ids, params, vocab_size=LIMITS.vocab_size, max_model_len=LIMITS.max_model_len,
                       block_size=16, num_blocks=64)
+
+    def output_room(self, token_ids) -> int:
+        return output_room(token_ids, max_model_len=LIMITS.max_model_len, block_size=16, num_blocks=64)
 
     async def generate(self, req):
         request_id, token_ids, params = req.request_id, req.prompt_token_ids, req.params
@@ -182,6 +185,19 @@ def test_completion_whole_and_streamed_with_logprobs(server: ApiServer) -> None:
     assert [e.choices[0].finish_reason for e in events[:-1]] == [None, "length"]
     assert events[-1].choices == [] and events[-1].usage.prompt_tokens_details.cached_tokens == 2
     assert all(e.choices[0].logprobs is None for e in events[:-1])  # not asked for
+
+
+def test_a_chat_without_max_tokens_may_run_to_the_end_of_the_context(server: ApiServer) -> None:
+    """OpenAI's and vLLM's chat default: the room the context leaves (within the KV pool), not a
+    completion's legacy 16 tokens; either spelling of the field, when sent, wins."""
+    api = client(server)
+    messages = [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}]
+    api.chat.completions.create(model="fake", messages=messages)
+    api.chat.completions.create(model="fake", messages=messages, max_tokens=7)
+    api.chat.completions.create(model="fake", messages=messages, max_completion_tokens=9)
+    api.completions.create(model="fake", prompt="hi")
+    room = min(LIMITS.max_model_len, 16 * 64) - 2
+    assert [c["params"].max_tokens for c in server.backend.calls] == [room, 7, 9, 16]
 
 
 def test_chat_whole_and_streamed_with_logprobs(server: ApiServer) -> None:

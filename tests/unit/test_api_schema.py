@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.request_checks import check_request
+from engine.request_checks import check_request, output_room
 from engine.sampling import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 from router.http.api_schema import openapi_document, request_models
 from router.http.openai_format import parse_chat, parse_completion
@@ -49,6 +49,9 @@ class Backend:
 
     def validate(self, ids, params):
         check_request(ids, params, vocab_size=VOCAB, max_model_len=CONTEXT, block_size=16, num_blocks=64)
+
+    def output_room(self, ids):
+        return output_room(ids, max_model_len=CONTEXT, block_size=16, num_blocks=64)
 
 
 BODIES = {

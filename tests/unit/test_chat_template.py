@@ -125,6 +125,9 @@ def test_openai_chat_request_passes_documents_and_chat_template_kwargs(real_temp
         def validate(self, ids, params):
             pass
 
+        def output_room(self, ids):
+            return 16
+
     body = {"model": "qwen3", "messages": CONVERSATION[:2], "chat_template_kwargs": {"enable_thinking": False}}
     got = parse_chat(body, Backend()).prompt_ids
     want = tok.encode(tok.apply_chat_template(CONVERSATION[:2], enable_thinking=False))
