@@ -10,8 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine_info, print_ratios, write_result  # noqa: E402
+from benchmarks._common import machine_info, print_ratios, write_result
 
 HEADLINE = ("request_throughput", "request_goodput", "output_throughput", "p99_ttft_ms", "median_ttft_ms",
             "p99_itl_ms", "median_tpot_ms", "cache_hit_ratio", "error_rate")

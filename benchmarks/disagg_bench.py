@@ -95,14 +95,12 @@ from pathlib import Path
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
 
-import _common as C  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from engine import CacheConfig, EngineConfig, LLMEngine, Role, SamplingParams, SchedulerConfig  # noqa: E402
+from benchmarks import _common as C
+from engine import CacheConfig, EngineConfig, LLMEngine, Role, SamplingParams, SchedulerConfig
 
 NAME = "disagg_bench"
 TARGETS = {

@@ -30,11 +30,8 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import _common as C  # noqa: E402
+from benchmarks import _common as C
 
 NAME = "frontdoor_bench"
 TARGETS = {"grpc_e2e_vs_direct": "<= 1.10", "http_e2e_vs_direct": "<= 1.20", "grpc_chunks_per_s": ">= 5000"}
@@ -98,9 +95,9 @@ def client_loop(grpc_target: str, http_base: str) -> None:
 
 class ClientProcess:
     def __init__(self, grpc_target: str, http_base: str):
-        self.proc = subprocess.Popen([sys.executable, __file__, "--client-loop", grpc_target, http_base],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONPATH": str(C.ROOT)})
+        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.frontdoor_bench", "--client-loop",
+                                      grpc_target, http_base], cwd=C.ROOT, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
 
     def ask(self, mode: str, tokens: int, streams: int = 0) -> dict:
         self.proc.stdin.write(f"{mode} {tokens} {streams}\n")

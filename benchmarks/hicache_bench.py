@@ -45,17 +45,14 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
+import numpy as np
+import torch
 
-import _common as C  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig  # noqa: E402
-from engine.config import HiCacheConfig  # noqa: E402
-from engine.model_config import ModelConfig  # noqa: E402
-from engine.presets import resolve_model  # noqa: E402
+from benchmarks import _common as C
+from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from engine.config import HiCacheConfig
+from engine.model_config import ModelConfig
+from engine.presets import resolve_model
 
 NAME = "hicache_bench"
 TARGETS = {

@@ -42,10 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
-
-import _common as C  # noqa: E402
+from benchmarks import _common as C
 
 NAME = "parallel_bench"
 TARGETS = {"hetero_transfer_vs_same_tp": "<= 1.2"}
@@ -58,10 +55,9 @@ QUICK = dict(model="tiny", batches=[1, 32], prompt_len=32, warmup=2, steps=6, tr
 
 
 def _spawn(args: dict) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.get("threads", 1)),
-           "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen([sys.executable, str(HERE / "_parallel_rank.py"), json.dumps(args)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.get("threads", 1))}
+    return subprocess.Popen([sys.executable, "-m", "benchmarks._parallel_rank", json.dumps(args)], cwd=C.ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _finish(procs: list[subprocess.Popen], timeout_s: float = 600) -> None:

@@ -46,10 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
-
-import _common as C  # noqa: E402
+from benchmarks import _common as C
 
 NAME = "peer_bench"
 TARGETS = {
@@ -172,8 +169,8 @@ def run_system(python: Path, spec: dict, env: dict, timeout: float) -> dict:
         json.dump(spec, f)
     before, t0 = C.process_cpu_snapshot(), time.perf_counter()
     try:
-        proc = subprocess.run([str(python), str(HERE / "_peer_workload.py"), f.name], capture_output=True,
-                              text=True, env=env, timeout=timeout)
+        proc = subprocess.run([str(python), "-m", "benchmarks._peer_workload", f.name], cwd=C.ROOT,
+                              capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     finally:

@@ -47,7 +47,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import _common as C
+from benchmarks import _common as C
 
 NAME = "routing_bench"
 TRACE = Path("/work/shared/data/mooncake_conversation_trace.jsonl")

@@ -44,11 +44,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import benchmarks._common as C  # noqa: E402
-import benchmarks._disagg_draft_kv as disagg_draft_kv  # noqa: E402
-from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from engine.config import SpeculativeConfig  # noqa: E402
+from benchmarks import _common as C
+from benchmarks import _disagg_draft_kv as disagg_draft_kv
+from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+from engine.config import SpeculativeConfig
 
 NAME = "spec_bench"
 TARGETS = {"draft_speedup_bs1": ">= 2.0", "ngram_speedup_bs1": ">= 1.5", "spec_throughput_b16": ">= 0.95"}
