@@ -132,3 +132,22 @@ def cpu_by_process(before: dict, after: dict, wall_s: float) -> dict[str, float]
             used[label] = used.get(label, 0.0) + delta
     return dict(sorted(((k, v / wall_s) for k, v in used.items() if v / wall_s >= 0.005),
                        key=lambda kv: -kv[1]))
+
+
+def cpu_mark() -> tuple[float, dict, float | None]:
+    """A point to measure cores from: (wall time, process_cpu_snapshot(), steal_seconds())."""
+    return time.perf_counter(), process_cpu_snapshot(), steal_seconds()
+
+
+def cores_between(start: tuple[float, dict, float | None], end: tuple[float, dict, float | None]) -> dict:
+    """Cores used between two cpu_mark()s: by process, and summed for ours (this process and its
+    descendants), other people's processes, kernel threads, and the hypervisor's steal."""
+    (t0, a, st0), (t1, b, st1) = start, end
+    by = cpu_by_process(a, b, t1 - t0)
+
+    def cores(*prefixes: str) -> float:
+        return sum(v for k, v in by.items() if k.startswith(prefixes))
+
+    return {"cores_by_process": by, "ours_cores": cores("ours:", "this process"), "other_cores": cores("other:"),
+            "kernel_cores": cores("kernel:"),
+            "steal_cores": (st1 - st0) / (t1 - t0) if st0 is not None and st1 is not None else None}

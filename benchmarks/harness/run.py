@@ -106,11 +106,18 @@ class BenchRun:
             cpu = self.phase_cpu[label] = watch.stop()
             if snap is not None:
                 by = cpu_by_process(snap, process_cpu_snapshot(), cpu["wall_s"])
-                cpu.update(cores_by_process=by, other_people_cores=sum(v for k, v in by.items()
-                                                                       if k.startswith("other:")))
+                others = {k: v for k, v in by.items() if k.startswith("other:")}
+                cpu.update(cores_by_process=by, other_people_cores=sum(others.values()))
+                if cpu["other_people_cores"] > 0.1:
+                    print(f"  WARNING: other people's processes used {cpu['other_people_cores']:.2f} cores during "
+                          f"this phase ({', '.join(k for k, v in others.items() if v > 0.05)})")
             if cpu.get("other_cpu_share", 0.0) > WARN_SHARE:
                 print(f"  WARNING: other processes used {cpu['other_cpu_share']:.0%} of the CPUs during this phase")
             gc.collect()  # drop the phase's engines and models before the next one loads
+
+    def checkpoint(self, ratios: dict[str, float | None]) -> Path:
+        """Write the JSON as it stands, so an interrupted long run keeps what it measured."""
+        return C.write_result(self.name, self.machine, ratios, self.targets, self.raw, self.out_dir)
 
     def finish(self, ratios: dict[str, float | None], plot: Callable[[dict, dict], Any] | None = None,
                **raw: Any) -> int:
@@ -128,6 +135,6 @@ class BenchRun:
                 print(f"  ERROR in plot:\n{self.errors['plot']}", file=sys.stderr)
         if self.errors:
             self.raw["errors"] = self.errors
-        print(f"wrote {C.write_result(self.name, self.machine, ratios, self.targets, self.raw, self.out_dir)}")
+        print(f"wrote {self.checkpoint(ratios)}")
         C.print_ratios(ratios, self.targets, title=f"{self.title} ({self.raw['total_seconds']:.0f} s)")
         return 1 if self.errors else 0
