@@ -98,11 +98,11 @@ def machine_info(**extra: Any) -> dict[str, Any]:
     return info
 
 
-def set_all_threads() -> int:
-    """Let torch use every core this process may run on; returns the thread count."""
+def set_all_threads(threads: int | None = None) -> int:
+    """Let torch use `threads`, or every core this process may run on; returns the thread count."""
     import torch
 
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n = threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
     torch.set_num_threads(max(1, n))
     return torch.get_num_threads()
 

@@ -494,10 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="also print a torch.profiler table of 8 decode steps (top ops by self CPU time)")
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    else:
-        C.set_all_threads()
+    C.set_all_threads(args.threads)
     model_info = C.prepare_model(args.model)
     run = BenchRun(NAME, TARGETS, args)
     plan = run.plan(FULL, QUICK)

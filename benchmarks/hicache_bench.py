@@ -305,10 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="parent directory of the L3 cache directory (default: the system temp dir); "
                          "put it on the disk you mean to measure")
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    else:
-        C.set_all_threads()
+    C.set_all_threads(args.threads)
     model_info = C.prepare_model(args.model)
     run = BenchRun(NAME, TARGETS, args)
     plan = run.plan(FULL, QUICK)

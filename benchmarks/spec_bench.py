@@ -205,10 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the draft model's weights (default int4: the 0.5B's decode step is ~0.6x int8's on "
                          "a memory-bound CPU at the same acceptance; the target keeps --dtype)")
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    else:
-        C.set_all_threads()
+    C.set_all_threads(args.threads)
     plan = QUICK if args.quick else FULL
     wanted = {plan.ngram_model, *(() if args.skip_draft else (plan.target, plan.draft))}
     models = {m: C.prepare_model(m) for m in wanted}
