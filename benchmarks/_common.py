@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmarks in this directory (not a benchmark itself: `make bench` skips `_*`).
+"""Helpers shared by the benchmarks (not a benchmark itself: `make bench` skips `_*`): the
+machine, the model, timing statistics, targets, the JSON result and its plot.
 
 Every benchmark writes `benchmarks/results/<name>.json` shaped as
 
@@ -25,6 +26,13 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+# CPU accounting lives in benchmarks.harness.cpu; its names stay importable from here.
+from benchmarks.harness.cpu import CpuWatch as CpuWatch
+from benchmarks.harness.cpu import cpu_by_process as cpu_by_process
+from benchmarks.harness.cpu import load_average as load_average
+from benchmarks.harness.cpu import process_cpu_snapshot as process_cpu_snapshot
+from benchmarks.harness.cpu import steal_seconds as steal_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -63,49 +71,6 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
-def load_average() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
-def _system_busy_seconds() -> float | None:
-    """CPU seconds all processes have spent busy since boot (/proc/stat; steal counts as busy)."""
-    try:
-        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    except (OSError, IndexError):
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-class CpuWatch:
-    """How much of the machine other processes used while a phase ran.
-
-    `other_cpu_share` = (all busy CPU time - this process's CPU time) / (wall time * cores).
-    Near 0 on a quiet machine; 0.25 on 2 cores means one other busy thread half the time.
-    torch's threads wait for each other, so even a small share can slow a phase a lot.
-    """
-
-    def __init__(self) -> None:
-        self.wall = time.perf_counter()
-        self.busy = _system_busy_seconds()
-        t = os.times()
-        self.own = t.user + t.system
-
-    def stop(self) -> dict[str, Any]:
-        wall = time.perf_counter() - self.wall
-        t = os.times()
-        own = t.user + t.system - self.own
-        busy_now = _system_busy_seconds()
-        out: dict[str, Any] = {"wall_s": wall, "own_cpu_s": own, "load_average": load_average()}
-        if self.busy is not None and busy_now is not None and wall > 0:
-            others = max(0.0, busy_now - self.busy - own)
-            out["other_cpu_share"] = min(1.0, others / (wall * (os.cpu_count() or 1)))
-        return out
-
-
 def machine_info(**extra: Any) -> dict[str, Any]:
     """Facts that decide how comparable two result files are. Call after setting torch threads."""
     import torch
@@ -133,11 +98,11 @@ def machine_info(**extra: Any) -> dict[str, Any]:
     return info
 
 
-def set_all_threads() -> int:
-    """Let torch use every core this process may run on; returns the thread count."""
+def set_all_threads(threads: int | None = None) -> int:
+    """Let torch use `threads`, or every core this process may run on; returns the thread count."""
     import torch
 
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n = threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
     torch.set_num_threads(max(1, n))
     return torch.get_num_threads()
 
@@ -383,80 +348,3 @@ def latency_stats(samples: Iterable[float]) -> dict[str, float]:
             "p99": percentile(xs, 99), "max": max(xs)}
 
 
-def steal_seconds() -> float | None:
-    """CPU seconds stolen from this VM by its hypervisor since boot (/proc/stat), all cores together:
-    time other guests on the same physical cores took."""
-    try:
-        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-        return int(fields[7]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _process_label(pid: int, ppid: int, cmdline: list[str], name: str, ours: set[int]) -> str:
-    """'this process', 'ours: ray::DecodeActor' (a descendant: Ray's daemons and workers started by
-    this process), 'other: python engine_bench.py', 'kernel: kworker'."""
-    if pid == os.getpid():
-        return "this process"
-    if ppid == 2 or pid == 2:  # kthreadd's children
-        return f"kernel: {name.split('/')[0]}"
-    head = cmdline[0] if cmdline else name
-    if head.startswith("ray::"):
-        what = head.split(".")[0].split("(")[0].strip()  # "ray::DecodeActor.generate()" -> "ray::DecodeActor"
-    else:
-        what = os.path.basename(head.split()[0]) if head.strip() else name
-        if what.startswith("python"):
-            args = [a for a in cmdline[1:] if not a.startswith("-")]
-            if "-m" in cmdline[1:3] and args:
-                what = f"python -m {args[0]}"
-            elif args:
-                what = f"python {os.path.basename(args[0])}"
-    return f"{'ours' if pid in ours else 'other'}: {what}"
-
-
-def process_cpu_snapshot() -> dict:
-    """pid -> (label, user+system CPU seconds, start time) for every process visible here (psutil),
-    plus key None -> the snapshot's wall time. Labels tell this process's descendants ("ours:
-    ray::RouterActor": Ray's daemons and workers, when this process started Ray) from everyone
-    else's ("other: ...") and from kernel threads."""
-    import psutil
-
-    taken = time.time()
-    try:
-        ours = {c.pid for c in psutil.Process().children(recursive=True)}
-    except psutil.Error:
-        ours = set()
-    out: dict = {None: taken}
-    for p in psutil.process_iter(["pid", "ppid", "name", "cmdline", "cpu_times", "create_time"]):
-        try:
-            ct = p.info["cpu_times"]
-            if ct is None:
-                continue
-            label = _process_label(p.pid, p.info["ppid"] or 0, p.info["cmdline"] or [], p.info["name"] or "?", ours)
-            out[p.pid] = (label, ct.user + ct.system, p.info["create_time"] or 0.0)
-        except (psutil.Error, OSError):
-            continue
-    return out
-
-
-def cpu_by_process(before: dict, after: dict, wall_s: float) -> dict[str, float]:
-    """Cores each process label used between two process_cpu_snapshot()s (CPU seconds / wall
-    seconds, summed over the processes sharing a label, labelled as in `after`), largest first.
-    A process started in between counts from zero; one already running but missed by `before`
-    is left out."""
-    used: dict[str, float] = {}
-    for pid, rec in after.items():
-        if pid is None:
-            continue
-        label, cpu, created = rec
-        prev = before.get(pid)
-        if prev is not None and abs(prev[2] - created) < 1e-3:
-            delta = cpu - prev[1]
-        elif created >= before.get(None, float("inf")) - 0.5:
-            delta = cpu
-        else:
-            continue
-        if delta > 0:
-            used[label] = used.get(label, 0.0) + delta
-    return dict(sorted(((k, v / wall_s) for k, v in used.items() if v / wall_s >= 0.005),
-                       key=lambda kv: -kv[1]))

@@ -31,17 +31,14 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.harness.varlen_cases import CASES, attend, make_inputs, relative_error
+from engine.model_config import ModelConfig
+from engine.model_runner import ModelRunner
+from engine.models import CausalLM
+from engine.models.layers import RotaryEmbedding
+from engine.models.varlen_attention import default_kernel, sdpa_varlen
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-
-from varlen_cases import CASES, attend, make_inputs, relative_error  # noqa: E402
-
-from engine.model_config import ModelConfig  # noqa: E402
-from engine.model_runner import ModelRunner  # noqa: E402
-from engine.models import CausalLM  # noqa: E402
-from engine.models.layers import RotaryEmbedding  # noqa: E402
-from engine.models.varlen_attention import default_kernel, sdpa_varlen  # noqa: E402
-
 GPU_TESTS = ["tests/unit/test_engine_gpu.py", "tests/unit/test_varlen_attention.py", "tests/unit/test_grouped_moe.py",
              "tests/unit/test_group_wait.py", "tests/integration/test_kv_transfer.py", "tests/unit/test_hicache.py",
              "tests/integration/test_parallel_model.py"]

@@ -17,14 +17,12 @@ from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
-
-from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig  # noqa: E402
-from engine.model_config import ModelConfig  # noqa: E402
-from engine.parallel import ParallelConfig  # noqa: E402
-from engine.presets import resolve_model  # noqa: E402
-from kv_transfer import KVLayout, TransferConfig, TransferServer, connect  # noqa: E402
-from kv_transfer.reshard import cut, header_shard, pieces_from, pieces_to, place, shard_of  # noqa: E402
+from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from engine.model_config import ModelConfig
+from engine.parallel import ParallelConfig
+from engine.presets import resolve_model
+from kv_transfer import KVLayout, TransferConfig, TransferServer, connect
+from kv_transfer.reshard import cut, header_shard, pieces_from, pieces_to, place, shard_of
 
 TRANSFER = TransferConfig(backend="gloo", timeout_s=120.0, connect_timeout_s=120.0)
 

@@ -1,7 +1,7 @@
 """One system's side of peer_bench (not a benchmark itself): run in a fresh process, by our
 venv's python for Brigade and transformers and by vLLM's own venv's python for vLLM.
 
-    python _peer_workload.py SPEC.json  ->  one stdout line "PEER_RESULT {json}"
+    python -m benchmarks._peer_workload SPEC.json   (from the repository root)  ->  one stdout line "PEER_RESULT {json}"
 
 SPEC: {"system": "brigade"|"transformers"|"vllm", "model": DIR, "dtype": "float32"|"bfloat16"|"auto",
        "quantization": "none"|"int8"|"gguf", "threads": 2, "bs1": {"ttft_prompts": [[ids]...],
@@ -49,7 +49,6 @@ def measure(generate, spec: dict) -> dict:
 
 # -- Brigade -----------------------------------------------------------------------------------
 def run_brigade(spec: dict) -> dict:
-    sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
     import torch
 
     from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
@@ -150,8 +149,7 @@ def profile_decode(engine, spec: dict) -> dict:
 def weight_bytes_per_step(model) -> int:
     """Weight bytes one decode step reads: every matrix once (quantized ones as stored), the
     embedding table one row (the LM head is its own copy in this engine)."""
-    sys.path[:0] = [str(Path(__file__).resolve().parent)]
-    from _common import unique_weights
+    from benchmarks._common import unique_weights
 
     total = sum(t.numel() * t.element_size() for t in unique_weights(model))
     e = model.embed_tokens.weight

@@ -80,9 +80,7 @@ RAY_AUTH_MODE=disabled on a laptop; this script sets both unless they are alread
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
-import gc
 import os
 import queue
 import statistics
@@ -95,14 +93,14 @@ from pathlib import Path
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
 
-import _common as C  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from engine import CacheConfig, EngineConfig, LLMEngine, Role, SamplingParams, SchedulerConfig  # noqa: E402
+from benchmarks import _common as C
+from benchmarks.harness.cpu import cores_between, cpu_mark
+from benchmarks.harness.run import BenchRun, bench_args
+from engine import CacheConfig, EngineConfig, LLMEngine, Role, SamplingParams, SchedulerConfig
 
 NAME = "disagg_bench"
 TARGETS = {
@@ -522,10 +520,10 @@ async def run_itl(cl, plan: Plan, mode: str, vocab: int, seed: int, show: bool) 
                 if t.done() and t.exception():
                     raise t.exception()
         await asyncio.sleep(0.02)
-    snaps = [(time.perf_counter(), C.process_cpu_snapshot(), C.steal_seconds())]
+    snaps = [cpu_mark()]
     quiet_start = time.perf_counter()
     await asyncio.sleep(plan.itl_quiet_s)
-    snaps.append((time.perf_counter(), C.process_cpu_snapshot(), C.steal_seconds()))
+    snaps.append(cpu_mark())
     win_start = time.perf_counter()
     long_recs = [{} for _ in range(plan.itl_long_prompts)]
     long_tasks, submits = [], []
@@ -541,15 +539,8 @@ async def run_itl(cl, plan: Plan, mode: str, vocab: int, seed: int, show: bool) 
             long_tasks.append(task)
         await asyncio.gather(*long_tasks)
     win_end = time.perf_counter()
-    snaps.append((time.perf_counter(), C.process_cpu_snapshot(), C.steal_seconds()))
-    cpu = {}
-    for label, (t0, a, st0), (t1, b, st1) in (("quiet", snaps[0], snaps[1]), ("window", snaps[1], snaps[2])):
-        by = C.cpu_by_process(a, b, t1 - t0)
-        cpu[label] = {"cores_by_process": by,
-                      "ours_cores": sum(v for k, v in by.items() if k.startswith(("ours:", "this process"))),
-                      "other_cores": sum(v for k, v in by.items() if k.startswith("other:")),
-                      "kernel_cores": sum(v for k, v in by.items() if k.startswith("kernel:")),
-                      "steal_cores": (st1 - st0) / (t1 - t0) if st0 is not None and st1 is not None else None}
+    snaps.append(cpu_mark())
+    cpu = {"quiet": cores_between(snaps[0], snaps[1]), "window": cores_between(snaps[1], snaps[2])}
     streams_alive = [not t.done() for t in dec_tasks]
     for rid in dec_ids:
         await cl.router.abort.remote(rid)
@@ -604,9 +595,9 @@ def phase_cluster(plan: Plan, model: str, mode: str, seed: int, show: bool, with
 
 
 # -- plot ---------------------------------------------------------------------------------------
-def plot(ratios: dict, raw: dict, quick: bool, out_dir: Path | None, name: str) -> Path:
+def plot(ratios: dict, raw: dict):
     title = (f"Brigade disaggregation bench ({raw['model']}, float32, {CORES} cores"
-             f"{', QUICK' if quick else ''})")
+             f"{', QUICK' if raw['quick'] else ''})")
     fig, (ax_x, ax_t, ax_cdf, ax_ts) = C.new_figure(4, title, width_per_panel=4.4, height=4.4)
 
     x = raw.get("transfer")
@@ -682,175 +673,116 @@ def plot(ratios: dict, raw: dict, quick: bool, out_dir: Path | None, name: str) 
     ax_ts.set_ylabel("inter-token gap, ms")
     ax_ts.set_title("decode gaps over time", fontsize=9)
     ax_ts.legend(fontsize=6, loc="upper right")
-    return C.save_figure(fig, name, out_dir)
+    return fig
 
 
 # -- main ---------------------------------------------------------------------------------------
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true",
-                    help="smoke run (< 1 min): few reps, 512-token transfer/TTFT prompts, one 1,024-token "
-                         "interfering prompt; writes disagg_bench.quick.json/png")
-    ap.add_argument("--model", default=C.REAL_MODEL, metavar=C.MODEL_METAVAR, help=C.model_help(C.REAL_MODEL))
-    ap.add_argument("--seed", type=int, default=0, help="seed for prompts (default: 0)")
+def print_transfer(xfer: dict) -> None:
+    b = xfer["receiver_breakdown_median_s"]
+    print(f"  {xfer['payload_bytes'] / 2**20:.1f} MiB: ours {xfer['ours_median_s'] * 1e3:.2f} ms "
+          f"({xfer['ours_bytes_per_s'] / 1e9:.2f} GB/s), raw gloo {xfer['raw_median_s'] * 1e3:.2f} ms "
+          f"({xfer['raw_bytes_per_s'] / 1e9:.2f} GB/s), raw into a fresh buffer "
+          f"{xfer['raw_fresh_median_s'] * 1e3:.2f} ms")
+    print(f"  receiver: header wait {b['header_wait_s'] * 1e3:.2f} ms (sender export "
+          f"{xfer['sender_export_median_s'] * 1e3:.2f}), payload {b['payload_s'] * 1e3:.2f}, write_kv "
+          f"{b['write_kv_s'] * 1e3:.2f}; checksum alone {xfer['receiver_checksum_alone_median_s'] * 1e3:.2f} ms")
+
+
+def print_cluster(res: dict) -> None:
+    if "ttft" in res:
+        m = res["ttft"]["median"]
+        print(f"  TTFT {m['client_ttft_s'] * 1e3:.0f} ms (client): queue {m['queue_s'] * 1e3:.1f}, prefill "
+              f"{m['prefill_s'] * 1e3:.0f}, transfer {m['transfer_s'] * 1e3:.1f}, rest {m['router_rest_s'] * 1e3:.1f}, "
+              f"driver hop {m['driver_hop_s'] * 1e3:.1f} ms; one bare engine {m['engine_ttft_s'] * 1e3:.0f} ms")
+    s, w = res["itl"]["itl_window_s"], res["itl"]["cpu"]["window"]
+    print(f"  ITL (prefills arriving) p50 {s['p50'] * 1e3:.1f} ms, p99 {s['p99'] * 1e3:.1f} ms over {s['n']} gaps; "
+          f"quiet p50 {res['itl']['itl_quiet_s']['p50'] * 1e3:.1f} ms")
+    top = ", ".join(f"{k.removeprefix('ours: ')} {v:.2f}" for k, v in w["cores_by_process"].items()
+                    if k.startswith(("ours:", "this process")))
+    print(f"  cores used in the window: ours {w['ours_cores']:.2f} ({top}); other people's processes "
+          f"{w['other_cores']:.2f}, kernel threads {w['kernel_cores']:.2f}, stolen {w['steal_cores'] or 0:.2f}")
+    if w["other_cores"] > 0.1:
+        print("  WARNING: other people's processes competed for the cores in this window")
+
+
+def itl_summary(disagg: dict | None, coloc: dict | None, ref: dict | None) -> dict:
+    """Each mode's ITL in the window and when quiet, its long requests, and the quiet gap over a bare engine step."""
+    out = {}
+    for mode, res, threads in (("disaggregated", disagg, 1), ("colocated", coloc, CORES)):
+        if not res:
+            continue
+        longs = res["itl"]["long_requests"]
+        out[mode] = {"window": res["itl"]["itl_window_s"], "quiet": res["itl"]["itl_quiet_s"],
+                     "long_request_ttft_s": [r.get("ttft_s") for r in longs],
+                     "long_request_transfer_s": [r.get("transfer_s") for r in longs],
+                     "cpu_window": res["itl"]["cpu"]["window"]}
+        if ref:
+            step = ref[f"step_{threads}thread_median_s"]
+            out[mode].update(engine_step_median_s=step, quiet_p50_minus_engine_step_s=out[mode]["quiet"]["p50"] - step)
+    return out
+
+
+def phase_clusters(run: BenchRun, plan: Plan, model: str, seed: int) -> tuple[dict | None, ...]:
+    """The bare-engine reference, then the disaggregated and the colocated cluster."""
+    ref = run.phase("engine_reference", phase_engine_reference, plan, model, seed)
+    if ref:
+        print(f"  bare engine, batch-{ref['batch']} decode step: 1 thread {ref['step_1thread_median_s'] * 1e3:.1f} ms, "
+              f"{CORES} threads {ref[f'step_{CORES}thread_median_s'] * 1e3:.1f} ms")
+    results = []
+    for mode, with_ttft in (("disaggregated", True), ("colocated", False)):
+        res = run.phase(mode, phase_cluster, plan, model, mode, seed, run.show, with_ttft)
+        if res:
+            print_cluster(res)
+        results.append(res)
+    try:
+        import ray
+
+        ray.shutdown()
+    except Exception:
+        pass
+    return ref, *results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = bench_args(__doc__, "smoke run (< 1 min): few reps, 512-token transfer/TTFT prompts, one 1,024-token "
+                    "interfering prompt; writes disagg_bench.quick.json/png", model=C.REAL_MODEL, plot=True,
+                    progress=True, seed=True)
     ap.add_argument("--interval", type=float, default=None,
                     help="seconds between the long prompts of the ITL phase (default: plan's, 3 s full)")
     ap.add_argument("--long-prompts", type=int, default=None,
                     help="how many long prompts the ITL phase submits (default: 4 full, 1 quick)")
-    ap.add_argument("--out-dir", type=Path, default=None, help="where results go (default: benchmarks/results)")
     ap.add_argument("--skip", action="append", default=[], choices=["transfer", "cluster"],
                     help="skip a part (repeatable); its ratios are then n/a")
-    ap.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bars (e.g. in CI logs)")
-    return ap.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    plan = QUICK if args.quick else FULL
-    overrides = {k: v for k, v in (("itl_interval_s", args.interval), ("itl_long_prompts", args.long_prompts))
-                 if v is not None}
-    if overrides:
-        plan = Plan(**{**asdict(plan), **overrides})
-    show = not args.no_progress
-    name = NAME + (".quick" if args.quick else "")
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)  # the driver only drives; the workers own the cores
     probe = C.CpuWatch()
     time.sleep(0.5)
     idle_probe = probe.stop()
     model_info = C.prepare_model(args.model)
-    machine = C.machine_info(cluster_cores=CORES)
-    print(f"{NAME}{' --quick' if args.quick else ''}: model={args.model} float32, {CORES} cores for the workers, "
-          f"load average {machine['load_average_start']}, other processes "
-          f"{idle_probe.get('other_cpu_share', 0):.0%} of the CPUs before start")
-    load = (machine["load_average_start"] or [0.0])[0]
-    if load > 0.5 * CORES or idle_probe.get("other_cpu_share", 0) > 0.1:
-        print(f"  WARNING: the machine is busy (load {load}): every phase here needs both cores, "
-              "so these numbers are not representative.")
-    t_start = time.perf_counter()
-    phase_s: dict[str, float] = {}
-    phase_cpu: dict[str, dict] = {}
-    errors: dict[str, str] = {}
-
-    def timed(label: str, fn, *a):
-        print(f"- {label} ...", flush=True)
-        watch = C.CpuWatch()
-        snap = C.process_cpu_snapshot()
-        try:
-            return fn(*a)
-        except Exception:
-            errors[label] = traceback.format_exc()
-            print(f"  ERROR in {label}:\n{errors[label]}", file=sys.stderr)
-            return None
-        finally:
-            phase_cpu[label] = watch.stop()
-            phase_s[label] = wall = phase_cpu[label]["wall_s"]
-            by = C.cpu_by_process(snap, C.process_cpu_snapshot(), wall)
-            others = sum(v for k, v in by.items() if k.startswith("other:"))
-            phase_cpu[label].update(cores_by_process=by, other_people_cores=others)
-            if others > 0.1:
-                print(f"  WARNING: other people's processes used {others:.2f} cores during this phase "
-                      f"({', '.join(k for k, v in by.items() if k.startswith('other:') and v > 0.05)})")
-            gc.collect()
-
-    def print_cores(res: dict) -> None:
-        w = res["itl"]["cpu"]["window"]
-        top = ", ".join(f"{k.removeprefix('ours: ')} {v:.2f}" for k, v in w["cores_by_process"].items()
-                        if k.startswith(("ours:", "this process")))
-        print(f"  cores used in the window: ours {w['ours_cores']:.2f} ({top}); other people's processes "
-              f"{w['other_cores']:.2f}, kernel threads {w['kernel_cores']:.2f}, stolen {w['steal_cores'] or 0:.2f}")
-        if w["other_cores"] > 0.1:
-            print("  WARNING: other people's processes competed for the cores in this window")
-
-    xfer = ref = disagg = coloc = None
-    if "transfer" not in args.skip:
-        xfer = timed("transfer", phase_transfer, plan, args.model, args.seed, show)
-        if xfer:
-            b = xfer["receiver_breakdown_median_s"]
-            print(f"  {xfer['payload_bytes'] / 2**20:.1f} MiB: ours {xfer['ours_median_s'] * 1e3:.2f} ms "
-                  f"({xfer['ours_bytes_per_s'] / 1e9:.2f} GB/s), raw gloo {xfer['raw_median_s'] * 1e3:.2f} ms "
-                  f"({xfer['raw_bytes_per_s'] / 1e9:.2f} GB/s), raw into a fresh buffer "
-                  f"{xfer['raw_fresh_median_s'] * 1e3:.2f} ms")
-            print(f"  receiver: header wait {b['header_wait_s'] * 1e3:.2f} ms (sender export "
-                  f"{xfer['sender_export_median_s'] * 1e3:.2f}), payload {b['payload_s'] * 1e3:.2f}, "
-                  f"write_kv {b['write_kv_s'] * 1e3:.2f}; checksum alone "
-                  f"{xfer['receiver_checksum_alone_median_s'] * 1e3:.2f} ms")
-    if "cluster" not in args.skip:
-        ref = timed("engine_reference", phase_engine_reference, plan, args.model, args.seed)
-        if ref:
-            print(f"  bare engine, batch-{ref['batch']} decode step: 1 thread "
-                  f"{ref['step_1thread_median_s'] * 1e3:.1f} ms, {CORES} threads "
-                  f"{ref[f'step_{CORES}thread_median_s'] * 1e3:.1f} ms")
-        disagg = timed("disaggregated", phase_cluster, plan, args.model, "disaggregated", args.seed, show, True)
-        if disagg:
-            m = disagg["ttft"]["median"]
-            print(f"  TTFT {m['client_ttft_s'] * 1e3:.0f} ms (client): queue {m['queue_s'] * 1e3:.1f}, prefill "
-                  f"{m['prefill_s'] * 1e3:.0f}, transfer {m['transfer_s'] * 1e3:.1f}, rest "
-                  f"{m['router_rest_s'] * 1e3:.1f}, driver hop {m['driver_hop_s'] * 1e3:.1f} ms; one bare engine "
-                  f"{m['engine_ttft_s'] * 1e3:.0f} ms")
-            s = disagg["itl"]["itl_window_s"]
-            print(f"  ITL (prefills arriving) p50 {s['p50'] * 1e3:.1f} ms, p99 {s['p99'] * 1e3:.1f} ms "
-                  f"over {s['n']} gaps; quiet p50 {disagg['itl']['itl_quiet_s']['p50'] * 1e3:.1f} ms")
-            print_cores(disagg)
-        coloc = timed("colocated", phase_cluster, plan, args.model, "colocated", args.seed, show, False)
-        if coloc:
-            s = coloc["itl"]["itl_window_s"]
-            print(f"  ITL (prefills arriving) p50 {s['p50'] * 1e3:.1f} ms, p99 {s['p99'] * 1e3:.1f} ms "
-                  f"over {s['n']} gaps; quiet p50 {coloc['itl']['itl_quiet_s']['p50'] * 1e3:.1f} ms")
-            print_cores(coloc)
-        try:
-            import ray
-
-            ray.shutdown()
-        except Exception:
-            pass
-
-    def p99(res):
-        return ((res or {}).get("itl") or {}).get("itl_window_s", {}).get("p99")
-
+    run = BenchRun(NAME, TARGETS, args, keep_going=True, by_process=True, cluster_cores=CORES)
+    plan = run.plan(FULL, QUICK, itl_interval_s=args.interval, itl_long_prompts=args.long_prompts)
+    print(f"{run.name}: model={args.model} float32, {CORES} cores for the workers, load average "
+          f"{run.machine['load_average_start']}, other processes {idle_probe.get('other_cpu_share', 0):.0%} of the "
+          "CPUs before start")
+    xfer = None if "transfer" in args.skip else run.phase("transfer", phase_transfer, plan, args.model, args.seed,
+                                                          run.show)
+    if xfer:
+        print_transfer(xfer)
+    ref, disagg, coloc = (None, None, None) if "cluster" in args.skip else phase_clusters(run, plan, args.model,
+                                                                                            args.seed)
+    p99 = {mode: (((res or {}).get("itl") or {}).get("itl_window_s") or {}).get("p99")
+           for mode, res in (("disaggregated", disagg), ("colocated", coloc))}
     ratios = {
         "transfer_vs_raw_gloo": xfer["raw_median_s"] / xfer["ours_median_s"] if xfer else None,
         "transfer_share_of_ttft": disagg["ttft"]["median"]["share"] if disagg else None,
         "disagg_ttft_vs_engine": disagg["ttft"]["vs_engine"] if disagg else None,
-        "itl_p99_disagg_vs_colocated": p99(disagg) / p99(coloc) if p99(disagg) and p99(coloc) else None,
+        "itl_p99_disagg_vs_colocated": (p99["disaggregated"] / p99["colocated"]
+                                        if p99["disaggregated"] and p99["colocated"] else None),
     }
-    machine["load_average_end"] = C.load_average()
-    itl_summary = {}
-    for mode, res in (("disaggregated", disagg), ("colocated", coloc)):
-        if res:
-            longs = res["itl"]["long_requests"]
-            itl_summary[mode] = {
-                "window": res["itl"]["itl_window_s"], "quiet": res["itl"]["itl_quiet_s"],
-                "long_request_ttft_s": [r.get("ttft_s") for r in longs],
-                "long_request_transfer_s": [r.get("transfer_s") for r in longs],
-                "cpu_window": res["itl"]["cpu"]["window"]}
-    if ref:
-        for mode, threads in (("disaggregated", 1), ("colocated", CORES)):
-            if mode in itl_summary:
-                step = ref[f"step_{threads}thread_median_s"]
-                itl_summary[mode]["engine_step_median_s"] = step
-                itl_summary[mode]["quiet_p50_minus_engine_step_s"] = itl_summary[mode]["quiet"]["p50"] - step
-    raw = {
-        "model": args.model, "model_info": model_info, "dtype": "float32", "quick": args.quick, "seed": args.seed,
-        "plan": asdict(plan), "cores": CORES, "max_num_batched_tokens": plan.max_num_batched_tokens,
-        "num_blocks": plan.num_blocks,
-        "transfer": xfer, "engine_reference": ref, "itl_summary": itl_summary,
-        "disaggregated": disagg, "colocated": coloc,
-        "idle_probe": idle_probe, "phase_seconds": phase_s,
-        # other_cpu_share counts every process but this driver (our workers included).
-        "phase_cpu": phase_cpu, "errors": errors,
-        "total_seconds": time.perf_counter() - t_start,
-    }
-    path = C.write_result(name, machine, ratios, TARGETS, raw, args.out_dir)
-    print(f"wrote {path}")
-    if not args.no_plot:
-        try:
-            print(f"wrote {plot(ratios, raw, args.quick, args.out_dir, name)}")
-        except Exception:
-            errors["plot"] = traceback.format_exc()
-            print(f"  ERROR in plot:\n{errors['plot']}", file=sys.stderr)
-    C.print_ratios(ratios, TARGETS, title=f"{NAME} ({raw['total_seconds']:.0f} s)")
-    return 1 if errors else 0
+    return run.finish(ratios, plot, model=args.model, model_info=model_info, dtype="float32", seed=args.seed,
+                      cores=CORES, max_num_batched_tokens=plan.max_num_batched_tokens, num_blocks=plan.num_blocks,
+                      transfer=xfer, engine_reference=ref, itl_summary=itl_summary(disagg, coloc, ref),
+                      disaggregated=disagg, colocated=coloc, idle_probe=idle_probe)
 
 
 if __name__ == "__main__":

@@ -44,23 +44,17 @@ a warning is printed above 5%) and the load average; rerun any phase that shows 
 """
 from __future__ import annotations
 
-import argparse
-import gc
-import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
+import numpy as np
+import torch
 
-import _common as C  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig  # noqa: E402
+from benchmarks import _common as C
+from benchmarks.harness.run import BenchRun, bench_args
+from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 
 NAME = "engine_bench"
 TARGETS = {
@@ -437,9 +431,9 @@ def phase_throughput_hf(plan: Plan, model: str, prompts, olens, ours_tokens, sho
 
 
 # -- plot ---------------------------------------------------------------------------------------
-def plot(ratios: dict, raw: dict, quick: bool, out_dir: Path | None, name: str) -> Path:
+def plot(ratios: dict, raw: dict):
     title = (f"Brigade engine bench ({raw['model']}, float32, {raw['torch_threads']} threads"
-             f"{', QUICK' if quick else ''})")
+             f"{', QUICK' if raw['quick'] else ''})")
     fig, (ax_tp, ax_dec, ax_ttft) = C.new_figure(3, title)
     tp = raw["throughput"]
     labels, values, colors = ["ours"], [tp["ours"]["tokens_per_s"]], ["tab:blue"]
@@ -472,121 +466,65 @@ def plot(ratios: dict, raw: dict, quick: bool, out_dir: Path | None, name: str) 
                 [t["cold_stats_s"]["median"] * 1e3, t["hit_stats_s"]["median"] * 1e3],
                 C.ratio_caption("prefix_hit_ttft_vs_cold", ratios, TARGETS), "TTFT ms (median)",
                 ["tab:gray", "tab:blue"], fmt="{:.0f}")
-    return C.save_figure(fig, name, out_dir)
+    return fig
 
 
 # -- main ---------------------------------------------------------------------------------------
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true",
-                    help="smoke run (< 1 min): 8 short requests, HF batch 8, fewer reps; "
-                         "writes engine_bench.quick.json/png")
-    ap.add_argument("--model", default=C.REAL_MODEL, metavar=C.MODEL_METAVAR, help=C.model_help(C.REAL_MODEL))
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch threads (default: every core this process may use)")
-    ap.add_argument("--seed", type=int, default=0, help="seed for prompts and lengths (default: 0)")
-    ap.add_argument("--out-dir", type=Path, default=None,
-                    help="where results go (default: benchmarks/results)")
-    ap.add_argument("--no-hf", action="store_true", help="skip transformers (throughput_vs_hf is then n/a)")
-    ap.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bars (e.g. in CI logs)")
-    ap.add_argument("--profile", action="store_true",
-                    help="also print a torch.profiler table of 8 decode steps (top ops by self CPU time)")
-    return ap.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    plan = QUICK if args.quick else FULL
-    show = not args.no_progress
-    name = NAME + (".quick" if args.quick else "")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    else:
-        C.set_all_threads()
-    model_info = C.prepare_model(args.model)
-    machine = C.machine_info()
-    print(f"{NAME}{' --quick' if args.quick else ''}: model={args.model} float32, "
-          f"{torch.get_num_threads()} torch threads, load average {machine['load_average_start']}")
-    load = (machine["load_average_start"] or [0.0])[0]
-    if load > 0.5 * torch.get_num_threads():
-        print(f"  WARNING: load average {load} on {os.cpu_count()} cores: other work competes for the CPUs "
-              "(torch's threads then stall each other), so these numbers are not representative.")
-    t_start = time.perf_counter()
-    phase_s: dict[str, float] = {}
-    phase_cpu: dict[str, dict] = {}
-
-    def timed(label: str, fn, *a):
-        print(f"- {label} ...", flush=True)
-        watch = C.CpuWatch()
-        out = fn(*a)
-        phase_cpu[label] = watch.stop()
-        phase_s[label] = phase_cpu[label]["wall_s"]
-        share = phase_cpu[label].get("other_cpu_share", 0.0)
-        if share > 0.05:
-            print(f"  WARNING: other processes used {share:.0%} of the CPUs during this phase")
-        gc.collect()  # drop the phase's engine / model before the next one loads
-        return out
-
-    bw = timed("bandwidth", phase_bandwidth, plan)
-    print(f"  copy {bw['copy_bytes_per_s'] / 1e9:.1f} GB/s (read+write), "
-          f"read {bw['read_bytes_per_s'] / 1e9:.1f} GB/s")
-    dec = timed("decode", phase_decode, plan, args.model, args.seed, show, args.profile)
+def measure_decode(plan: Plan, model: str, seed: int, show: bool, profile: bool, bw: dict) -> dict:
+    """phase_decode, with the floor under the measured bandwidth."""
+    dec = phase_decode(plan, model, seed, show, profile)
     if dec["profile_table"]:
         print(dec["profile_table"])
     kv_bytes = dec["kv_bytes_per_token"] * dec["context_len_median"]
     step_bytes = dec["weight_bytes"] + kv_bytes
     dec.update(kv_bytes_per_step=kv_bytes, bytes_per_step=step_bytes,
-               floor_s=step_bytes / bw["copy_bytes_per_s"],
-               floor_read_bw_s=step_bytes / bw["read_bytes_per_s"])
+               floor_s=step_bytes / bw["copy_bytes_per_s"], floor_read_bw_s=step_bytes / bw["read_bytes_per_s"])
     step = dec["step_stats_s"]["median"]
-    print(f"  step {step * 1e3:.2f} ms (median of {len(dec['step_seconds'])}), "
-          f"floor {dec['floor_s'] * 1e3:.2f} ms "
+    dec["ratio_under_read_bw"] = step / dec["floor_read_bw_s"]
+    print(f"  step {step * 1e3:.2f} ms (median of {len(dec['step_seconds'])}), floor {dec['floor_s'] * 1e3:.2f} ms "
           f"({step_bytes / 1e6:.1f} MB), matmuls alone {dec['gemv_only']['seconds_median'] * 1e3:.2f} ms")
+    return dec
 
-    ttft = timed("ttft", phase_ttft, plan, args.model, args.seed, show)
-    print(f"  cold {ttft['cold_stats_s']['median'] * 1e3:.0f} ms, "
-          f"hit {ttft['hit_stats_s']['median'] * 1e3:.0f} ms "
+
+def main(argv: list[str] | None = None) -> int:
+    ap = bench_args(__doc__, "smoke run (< 1 min): 8 short requests, HF batch 8, fewer reps; writes "
+                    "engine_bench.quick.json/png", model=C.REAL_MODEL, plot=True, progress=True, seed=True,
+                    threads=True)
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers (throughput_vs_hf is then n/a)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print a torch.profiler table of 8 decode steps (top ops by self CPU time)")
+    args = ap.parse_args(argv)
+    C.set_all_threads(args.threads)
+    model_info = C.prepare_model(args.model)
+    run = BenchRun(NAME, TARGETS, args)
+    plan = run.plan(FULL, QUICK)
+    print(f"{NAME}{' --quick' if args.quick else ''}: model={args.model} float32, "
+          f"{torch.get_num_threads()} torch threads, load average {run.machine['load_average_start']}")
+    bw = run.phase("bandwidth", phase_bandwidth, plan)
+    print(f"  copy {bw['copy_bytes_per_s'] / 1e9:.1f} GB/s (read+write), read {bw['read_bytes_per_s'] / 1e9:.1f} GB/s")
+    dec = run.phase("decode", measure_decode, plan, args.model, args.seed, run.show, args.profile, bw)
+    ttft = run.phase("ttft", phase_ttft, plan, args.model, args.seed, run.show)
+    print(f"  cold {ttft['cold_stats_s']['median'] * 1e3:.0f} ms, hit {ttft['hit_stats_s']['median'] * 1e3:.0f} ms "
           f"(cached tokens {sorted(set(ttft['hit_cached_tokens']))})")
-
-    vocab = dec["model"]["vocab_size"]
-    prompts, olens = make_workload(plan, vocab, args.seed)
-    ours = timed("throughput_ours", phase_throughput_ours, plan, args.model, prompts, olens, show)
-    print(f"  ours {ours['tokens_per_s']:.1f} tok/s "
-          f"({ours['output_tokens']} tokens in {ours['seconds']:.1f} s)")
-    hf = None
-    if not args.no_hf:
-        hf = timed("throughput_hf", phase_throughput_hf, plan, args.model, prompts, olens,
-                   ours["token_ids"], show)
-        for bs, r in hf["batch_sizes"].items():
-            print(f"  HF batch {bs}: {r['tokens_per_s']:.1f} useful tok/s ({r['seconds']:.1f} s)")
-    ours.pop("token_ids")
-
+    prompts, olens = make_workload(plan, dec["model"]["vocab_size"], args.seed)
+    ours = run.phase("throughput_ours", phase_throughput_ours, plan, args.model, prompts, olens, run.show)
+    print(f"  ours {ours['tokens_per_s']:.1f} tok/s ({ours['output_tokens']} tokens in {ours['seconds']:.1f} s)")
+    hf = None if args.no_hf else run.phase("throughput_hf", phase_throughput_hf, plan, args.model, prompts, olens,
+                                           ours.pop("token_ids"), run.show)
+    for bs, r in (hf or {}).get("batch_sizes", {}).items():
+        print(f"  HF batch {bs}: {r['tokens_per_s']:.1f} useful tok/s ({r['seconds']:.1f} s)")
+    ours.pop("token_ids", None)
     ratios = {
-        "decode_step_vs_floor": step / dec["floor_s"],
+        "decode_step_vs_floor": dec["step_stats_s"]["median"] / dec["floor_s"],
         "throughput_vs_hf": ours["tokens_per_s"] / hf["best_tokens_per_s"] if hf else None,
         "prefix_hit_ttft_vs_cold": ttft["hit_stats_s"]["median"] / ttft["cold_stats_s"]["median"],
     }
-    machine["load_average_end"] = C.load_average()
-    raw = {
-        "model": args.model, "model_info": model_info, "dtype": "float32", "quick": args.quick, "seed": args.seed,
-        "plan": asdict(plan), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-        "bandwidth": bw, "decode": dec, "ttft": ttft,
-        "throughput": {"requests": len(prompts), "prompt_len": length_stats([len(p) for p in prompts]),
-                       "output_len": length_stats(olens), "prompt_lens": [len(p) for p in prompts],
-                       "output_lens": olens, "ours": ours, "hf": hf},
-        "phase_seconds": phase_s,
-        # other_cpu_share > ~0.05 in a phase means its numbers were disturbed by other work.
-        "phase_cpu": phase_cpu,
-        "total_seconds": time.perf_counter() - t_start,
-    }
-    raw["decode"]["ratio_under_read_bw"] = step / dec["floor_read_bw_s"]
-    path = C.write_result(name, machine, ratios, TARGETS, raw, args.out_dir)
-    print(f"wrote {path}")
-    if not args.no_plot:
-        print(f"wrote {plot(ratios, raw, args.quick, args.out_dir, name)}")
-    C.print_ratios(ratios, TARGETS, title=f"{NAME} ({raw['total_seconds']:.0f} s)")
-    return 0
+    return run.finish(ratios, plot, model=args.model, model_info=model_info, dtype="float32", seed=args.seed,
+                      torch_threads=torch.get_num_threads(), torch=torch.__version__, bandwidth=bw, decode=dec,
+                      ttft=ttft, throughput={
+                          "requests": len(prompts), "prompt_len": length_stats([len(p) for p in prompts]),
+                          "output_len": length_stats(olens), "prompt_lens": [len(p) for p in prompts],
+                          "output_lens": olens, "ours": ours, "hf": hf})
 
 
 if __name__ == "__main__":

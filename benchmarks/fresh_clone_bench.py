@@ -31,8 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import benchmarks._common as C  # noqa: E402
+from benchmarks import _common as C
 
 NAME = "chaos"
 ROOT = Path(__file__).resolve().parent.parent

@@ -18,7 +18,7 @@ measured is the doors' own cost per token and chunk, which a real model's decode
 (SmolLM2: 135M parameters, over 100x tiny's) would hide, and grpc_chunks_per_s would then
 count the model's steps, not the door. `--model NAME|PATH` runs another one all the same.
 
-    python benchmarks/frontdoor_bench.py [--quick] [--model tiny|bench|NAME|PATH]   # --quick: < 1 min, .quick.json
+    python -m benchmarks.frontdoor_bench [--quick] [--model tiny|bench|NAME|PATH]   # --quick: < 1 min, .quick.json
 """
 from __future__ import annotations
 
@@ -30,11 +30,9 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import _common as C  # noqa: E402
+from benchmarks import _common as C
+from benchmarks.harness.run import BenchRun, bench_args
 
 NAME = "frontdoor_bench"
 TARGETS = {"grpc_e2e_vs_direct": "<= 1.10", "http_e2e_vs_direct": "<= 1.20", "grpc_chunks_per_s": ">= 5000"}
@@ -98,9 +96,9 @@ def client_loop(grpc_target: str, http_base: str) -> None:
 
 class ClientProcess:
     def __init__(self, grpc_target: str, http_base: str):
-        self.proc = subprocess.Popen([sys.executable, __file__, "--client-loop", grpc_target, http_base],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONPATH": str(C.ROOT)})
+        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.frontdoor_bench", "--client-loop",
+                                      grpc_target, http_base], cwd=C.ROOT, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
 
     def ask(self, mode: str, tokens: int, streams: int = 0) -> dict:
         self.proc.stdin.write(f"{mode} {tokens} {streams}\n")
@@ -145,20 +143,9 @@ def direct(router, tokens: int, concurrent: int = 0) -> dict:
     return asyncio.run(main())
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="a smoke run; writes frontdoor_bench.quick.json")
-    ap.add_argument("--model", default="tiny", metavar=C.MODEL_METAVAR, help=C.model_help("tiny", WHY_TINY))
-    ap.add_argument("--client-loop", nargs=2, metavar=("GRPC", "HTTP"), help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.client_loop:
-        client_loop(*args.client_loop)
-        return 0
-
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # not one INFO line per fork while gRPC threads run
+def measure(plan: dict, model: str) -> dict:
+    """A cluster with both doors in this process; each request mode's runs and the concurrent streams."""
     import ray
-    import torch
 
     from cluster.backend import ClusterBackend
     from cluster.config import ClusterConfig
@@ -168,15 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     from router.http.server import ApiServer
     from router.metrics import FrontDoorMetrics
 
-    plan = QUICK if args.quick else FULL
-    name = NAME + (".quick" if args.quick else "")
-    torch.set_num_threads(1)
-    model_info = C.prepare_model(args.model)
-    machine = C.machine_info()
-    print(f"{NAME}{' --quick' if args.quick else ''}: model={args.model}, {plan}; "
-          f"load average {machine['load_average_start']}")
     t0 = time.perf_counter()
-    cfg = ClusterConfig(model=args.model, http_port=0, grpc_port=0, engine={"cache": {"num_blocks": 1024}})
+    cfg = ClusterConfig(model=model, http_port=0, grpc_port=0, engine={"cache": {"num_blocks": 1024}})
     backend = ClusterBackend(cfg)
     http = ApiServer(cfg.host, 0)
     grpc_door = GrpcServer(cfg.host, 0, FrontDoorConfig(), FrontDoorMetrics())
@@ -188,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         grpc_door.attach(backend)
         threading.Thread(target=http.serve_forever, name="http", daemon=True).start()
         clients = ClientProcess(grpc_door.address, http.url)
-        print(f"- cluster up in {time.perf_counter() - t0:.0f} s; gRPC {grpc_door.address}, HTTP {http.url}")
+        print(f"  cluster up in {time.perf_counter() - t0:.0f} s; gRPC {grpc_door.address}, HTTP {http.url}")
 
         def one(mode: str) -> dict:
             return direct(cluster.router, plan["tokens"]) if mode == "direct" else clients.ask(mode, plan["tokens"])
@@ -199,13 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(plan["requests"]):
             for mode in MODES[i % 3:] + MODES[:i % 3]:  # rotate who goes first
                 runs[mode].append(one(mode))
-        e2e = {m: sum(r["e2e_s"] for r in runs[m]) / len(runs[m]) for m in MODES}
-        print("- mean e2e over " + ", ".join(f"{m} {e2e[m] * 1e3:.0f} ms" for m in MODES))
         assert {r["tokens_or_events"] for r in runs["grpc"]} == {plan["tokens"]}, "gRPC streams lost tokens"
         streamed = clients.ask("grpc_concurrent", plan["stream_tokens"], plan["streams"])
         baseline = direct(cluster.router, plan["stream_tokens"], concurrent=plan["streams"])
-        print(f"- {plan['streams']} concurrent streams: gRPC {streamed['chunks_per_s']:.0f} chunks/s, "
-              f"direct {baseline['chunks_per_s']:.0f} chunks/s")
     finally:
         if clients is not None:
             clients.close()
@@ -214,20 +190,39 @@ def main(argv: list[str] | None = None) -> int:
         if cluster is not None:
             cluster.shutdown()
         ray.shutdown()
+    return {"runs": runs, "grpc_concurrent": streamed, "direct_concurrent": baseline}
 
+
+def main(argv: list[str] | None = None) -> int:
+    ap = bench_args(__doc__, "a smoke run; writes frontdoor_bench.quick.json", model="tiny", why=WHY_TINY)
+    ap.add_argument("--client-loop", nargs=2, metavar=("GRPC", "HTTP"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.client_loop:
+        client_loop(*args.client_loop)
+        return 0
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # not one INFO line per fork while gRPC threads run
+    import torch
+
+    torch.set_num_threads(1)
+    model_info = C.prepare_model(args.model)
+    run = BenchRun(NAME, TARGETS, args)
+    plan = run.plan(FULL, QUICK)
+    print(f"{run.name}: model={args.model}, {plan}; load average {run.machine['load_average_start']}")
+    m = run.phase("requests through each door", measure, plan, args.model)
+    runs, streamed, baseline = m["runs"], m["grpc_concurrent"], m["direct_concurrent"]
+    e2e = {mode: sum(r["e2e_s"] for r in runs[mode]) / len(runs[mode]) for mode in MODES}
+    print("  mean e2e over " + ", ".join(f"{mode} {e2e[mode] * 1e3:.0f} ms" for mode in MODES))
+    print(f"  {plan['streams']} concurrent streams: gRPC {streamed['chunks_per_s']:.0f} chunks/s, "
+          f"direct {baseline['chunks_per_s']:.0f} chunks/s")
     ratios = {"grpc_e2e_vs_direct": e2e["grpc"] / e2e["direct"], "http_e2e_vs_direct": e2e["http"] / e2e["direct"],
               "grpc_chunks_per_s": streamed["chunks_per_s"]}
-    machine["load_average_end"] = C.load_average()
-    raw = {"plan": plan, "model": args.model, "model_info": model_info, "why_tiny": WHY_TINY,
-           "prompt_tokens": len(PROMPT), "mean_e2e_s": e2e,
-           "per_token_overhead_s": {m: (e2e[m] - e2e["direct"]) / plan["tokens"] for m in ("grpc", "http")},
-           "e2e_s": {m: C.summarize(r["e2e_s"] for r in runs[m]) for m in MODES}, "runs": runs,
-           "grpc_concurrent": streamed, "direct_concurrent": baseline,
-           "grpc_vs_direct_chunks_per_s": streamed["chunks_per_s"] / baseline["chunks_per_s"],
-           "total_seconds": time.perf_counter() - t0}
-    print(f"wrote {C.write_result(name, machine, ratios, TARGETS, raw)}")
-    C.print_ratios(ratios, TARGETS, title=f"{NAME} ({raw['total_seconds']:.0f} s)")
-    return 0
+    return run.finish(ratios, model=args.model, model_info=model_info, why_tiny=WHY_TINY, prompt_tokens=len(PROMPT),
+                      mean_e2e_s=e2e,
+                      per_token_overhead_s={mode: (e2e[mode] - e2e["direct"]) / plan["tokens"]
+                                            for mode in ("grpc", "http")},
+                      e2e_s={mode: C.summarize(r["e2e_s"] for r in runs[mode]) for mode in MODES}, **m,
+                      grpc_vs_direct_chunks_per_s=streamed["chunks_per_s"] / baseline["chunks_per_s"])
 
 
 if __name__ == "__main__":

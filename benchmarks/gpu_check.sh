@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device check (benchmarks/_gpu_check.py says what it measures): one call of at most
+# The device check (benchmarks/_gpu_check.py, run as `python -m benchmarks._gpu_check`, says what it measures): one call of at most
 # 7 minutes on a lent GPU machine, which has torch, numpy, safetensors, tokenizers,
 # transformers, xxhash, jinja2 and pytest but no pydantic. Carry pydantic and its small
 # dependencies as wheels in .whl/ (`make gpu-wheels` downloads them here); this script
@@ -19,4 +19,4 @@ if ! "$PYTHON" -c "import pydantic" 2>/dev/null; then
   export PYTHONPATH="/tmp/brigade-site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-exec timeout 420 "$PYTHON" benchmarks/_gpu_check.py --out "${OUT:-benchmarks/results}" "$@"
+exec timeout 420 "$PYTHON" -m benchmarks._gpu_check --out "${OUT:-benchmarks/results}" "$@"

@@ -34,7 +34,6 @@ MISS and still exits 0. Numbers mean something only on a quiet machine (raw.phas
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import shutil
@@ -42,20 +41,18 @@ import sys
 import tempfile
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
+import numpy as np
+import torch
 
-import _common as C  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig  # noqa: E402
-from engine.config import HiCacheConfig  # noqa: E402
-from engine.model_config import ModelConfig  # noqa: E402
-from engine.presets import resolve_model  # noqa: E402
+from benchmarks import _common as C
+from benchmarks.harness.run import BenchRun, bench_args
+from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from engine.config import HiCacheConfig
+from engine.model_config import ModelConfig
+from engine.presets import resolve_model
 
 NAME = "hicache_bench"
 TARGETS = {
@@ -288,60 +285,41 @@ def phase_multiturn(plan: Plan, model: str, seed: int, show: bool) -> dict:
             "longest_request_blocks": longest, "max_num_batched_tokens": budget, "tokens_equal": equal, **runs}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="smoke run (< 1 minute); writes hicache_bench.quick.json")
-    ap.add_argument("--model", default=C.REAL_MODEL, metavar=C.MODEL_METAVAR, help=C.model_help(C.REAL_MODEL))
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--disk-dir", type=Path, default=None,
-                    help="parent directory of the L3 cache directory (default: the system temp dir); "
-                         "put it on the disk you mean to measure")
-    ap.add_argument("--out-dir", type=Path, default=None, help="results directory (default: benchmarks/results)")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bars")
-    return ap.parse_args(argv)
+def measure_ttft(plan: Plan, model: str, seed: int, disk_parent: Path | None, show: bool) -> dict:
+    """phase_ttft with L3 in a fresh directory under `disk_parent`, removed after."""
+    disk_dir = Path(tempfile.mkdtemp(prefix="hicache-bench-", dir=disk_parent))
+    disk = disk_info(disk_dir)
+    print(f"  L3 in {disk_dir} on {disk['device']} ({disk['fstype']}, rotational={disk.get('rotational')})")
+    try:
+        res = phase_ttft(plan, model, seed, disk_dir, show)
+    finally:
+        shutil.rmtree(disk_dir, ignore_errors=True)
+    print("  TTFT median: " + ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.0f} ms" for k, v in res["median_s"].items()))
+    return {**res, "disk": disk}
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    plan = QUICK if args.quick else FULL
-    show = not args.no_progress
-    name = NAME + (".quick" if args.quick else "")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    else:
-        C.set_all_threads()
+    ap = bench_args(__doc__, "smoke run (< 1 minute); writes hicache_bench.quick.json", model=C.REAL_MODEL,
+                    progress=True, seed=True, threads=True)
+    ap.add_argument("--disk-dir", type=Path, default=None,
+                    help="parent directory of the L3 cache directory (default: the system temp dir); "
+                         "put it on the disk you mean to measure")
+    args = ap.parse_args(argv)
+    C.set_all_threads(args.threads)
     model_info = C.prepare_model(args.model)
-    machine = C.machine_info()
-    disk_dir = Path(tempfile.mkdtemp(prefix="hicache-bench-", dir=args.disk_dir))
-    disk = disk_info(disk_dir)
+    run = BenchRun(NAME, TARGETS, args)
+    plan = run.plan(FULL, QUICK)
     print(f"{NAME}{' --quick' if args.quick else ''}: model={args.model} float32, {torch.get_num_threads()} "
-          f"torch threads; L3 in {disk_dir} on {disk['device']} ({disk['fstype']}, "
-          f"rotational={disk.get('rotational')})")
-    t_start = time.perf_counter()
-    phase_cpu: dict[str, dict] = {}
-
-    def timed(label: str, fn, *a):
-        print(f"- {label} ...", flush=True)
-        watch = C.CpuWatch()
-        out = fn(*a)
-        phase_cpu[label] = watch.stop()
-        if phase_cpu[label].get("other_cpu_share", 0.0) > 0.05:
-            print(f"  WARNING: other processes used {phase_cpu[label]['other_cpu_share']:.0%} of the CPUs")
-        gc.collect()
-        return out
-
-    try:
-        ttft_res = timed("ttft", phase_ttft, plan, args.model, args.seed, disk_dir, show)
-    finally:
-        shutil.rmtree(disk_dir, ignore_errors=True)
+          "torch threads")
+    ttft_res = run.phase("ttft", measure_ttft, plan, args.model, args.seed, args.disk_dir, run.show)
     med = ttft_res["median_s"]
-    print("  TTFT median: " + ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.0f} ms" for k, v in med.items()))
-    chat = timed("multiturn", phase_multiturn, plan, args.model, args.seed, show)
+    chat = run.phase("multiturn", phase_multiturn, plan, args.model, args.seed, run.show)
     for label in ("off", "on"):
         r = chat[label]
         print(f"  {label}: {r['tokens_per_s']:.1f} tok/s, mean TTFT {r['ttft_mean_s'] * 1e3:.0f} ms, "
               f"cached {r['cached_tokens_by_tier']}")
+    if not chat["tokens_equal"]:
+        print("  WARNING: HiCache on and off produced different tokens")
     ratios = {
         "l2_ttft_vs_recompute": med["l2_s"] / med["recompute_s"],
         "l3_ttft_vs_recompute": med["l3_s"] / med["recompute_s"],
@@ -349,17 +327,9 @@ def main(argv: list[str] | None = None) -> int:
         "multiturn_throughput_on_vs_off": chat["on"]["tokens_per_s"] / chat["off"]["tokens_per_s"],
         "multiturn_ttft_on_vs_off": chat["on"]["ttft_mean_s"] / chat["off"]["ttft_mean_s"],
     }
-    machine["load_average_end"] = C.load_average()
-    raw = {"model": args.model, "model_info": model_info, "dtype": "float32", "quick": args.quick, "seed": args.seed,
-           "plan": asdict(plan),
-           "torch_threads": torch.get_num_threads(), "block_size": BLOCK_SIZE, "disk": disk, "ttft": ttft_res,
-           "multiturn": chat, "phase_cpu": phase_cpu, "total_seconds": time.perf_counter() - t_start}
-    path = C.write_result(name, machine, ratios, TARGETS, raw, args.out_dir)
-    print(f"wrote {path}")
-    if not chat["tokens_equal"]:
-        print("  WARNING: HiCache on and off produced different tokens")
-    C.print_ratios(ratios, TARGETS, title=f"{NAME} ({raw['total_seconds']:.0f} s)")
-    return 0
+    return run.finish(ratios, model=args.model, model_info=model_info, dtype="float32", seed=args.seed,
+                      torch_threads=torch.get_num_threads(), block_size=BLOCK_SIZE, disk=ttft_res.pop("disk"),
+                      ttft=ttft_res, multiturn=chat)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """Brigade past one machine: node loss and a second front, on a real multi-node Ray cluster.
 
-The cluster is several Ray nodes on this one machine (tests/ray_nodes.py): a head and worker
+The cluster is several Ray nodes on this one machine (benchmarks/harness/ray_nodes.py): a head and worker
 nodes, each `ray start` with its own raylet and object store on its own loopback address
 (127.0.19.x), its own role resources, Ray token auth on; `brigade serve --ray-address` joins it.
 Model: the `tiny` preset, float32 (what is measured is membership and routing, which a real
 model's steps would only slow down on 2 cores).
 
-node_loss (tests/multinode_scenarios.py): 1 prefill + 2 decode workers over nodes B and C, a
+node_loss (benchmarks/harness/multinode.py): 1 prefill + 2 decode workers over nodes B and C, a
 spare node D joining once serving. Under 8 live greedy requests (160 tokens each) node C is
 lost: SIGKILL to its raylet, agents and workers at once.
 - identical_or_retriable: requests that ended token-identical to one engine or refused as
@@ -42,9 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import _common as C
-
-sys.path.insert(0, str(C.ROOT / "tests"))  # the cluster fixture and scenarios the tests use
+from benchmarks import _common as C
 
 NAME = "multinode"
 TARGETS = {"node_loss.identical_or_retriable": ">= 1.0", "node_loss.hung": "<= 0", "node_loss.eject_s": "<= 5",
@@ -59,8 +57,7 @@ def main() -> int:
     import os
 
     os.environ.setdefault("BRIGADE_CACHE_DIR", str(Path.home() / ".cache" / "brigade"))
-    from multinode_scenarios import node_loss, ratios, two_fronts
-
+    from benchmarks.harness.multinode import node_loss, ratios, two_fronts
     from engine.presets import materialize
 
     materialize("tiny")

@@ -32,7 +32,6 @@ load). NCCL on a GPU machine needs two GPUs for TP=2; not run here.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -42,10 +41,8 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
-
-import _common as C  # noqa: E402
+from benchmarks import _common as C
+from benchmarks.harness.run import BenchRun, bench_args
 
 NAME = "parallel_bench"
 TARGETS = {"hetero_transfer_vs_same_tp": "<= 1.2"}
@@ -58,10 +55,9 @@ QUICK = dict(model="tiny", batches=[1, 32], prompt_len=32, warmup=2, steps=6, tr
 
 
 def _spawn(args: dict) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.get("threads", 1)),
-           "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen([sys.executable, str(HERE / "_parallel_rank.py"), json.dumps(args)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.get("threads", 1))}
+    return subprocess.Popen([sys.executable, "-m", "benchmarks._parallel_rank", json.dumps(args)], cwd=C.ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _finish(procs: list[subprocess.Popen], timeout_s: float = 600) -> None:
@@ -101,47 +97,44 @@ def transfer(plan: dict, dst_tp: int, tmp: Path) -> list[float]:
     return [max(e[i] for e in ends) - s for i, s in enumerate(starts)]
 
 
+def phase_decode(plan: dict, tmp: Path) -> tuple[dict, dict]:
+    """Decode steps at TP=1 and TP=2; the raw record and the ratios per batch size."""
+    tp1, tp2 = decode_steps(plan, 1, tmp), decode_steps(plan, 2, tmp)
+    raw, ratios = {"tp1": tp1, "tp2": tp2}, {}
+    for b in plan["batches"]:
+        one, two = tp1[str(b)], tp2[str(b)]
+        ratios[f"tp2_step_vs_tp1_b{b}"] = statistics.median(two["step_s"]) / statistics.median(one["step_s"])
+        ratios[f"tp2_comm_fraction_b{b}"] = sum(two["comm_s"]) / sum(two["step_s"])
+        raw[f"median_step_ms_b{b}"] = {"tp1": 1e3 * statistics.median(one["step_s"]),
+                                       "tp2": 1e3 * statistics.median(two["step_s"])}
+    return raw, ratios
+
+
+def phase_transfer(plan: dict, tmp: Path) -> dict:
+    same, hetero = transfer(plan, 1, tmp), transfer(plan, 2, tmp)
+    return {"tp1_to_tp1_s": same, "tp1_to_tp2_s": hetero}
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="smoke run (< 1 minute), writes parallel_bench.quick.json")
-    ap.add_argument("--model", default=None, metavar=C.MODEL_METAVAR,
-                    help=C.model_help("bench; tiny with --quick", WHY_NOT_SMOLLM2))
-    ap.add_argument("--out-dir", type=Path, default=None)
+    ap = bench_args(__doc__, "smoke run (< 1 minute), writes parallel_bench.quick.json", model="bench",
+                    why=WHY_NOT_SMOLLM2)
+    ap.set_defaults(model=None)  # bench, or tiny with --quick (the plan's)
     args = ap.parse_args(argv)
-    plan = {**(QUICK if args.quick else FULL), **({"model": args.model} if args.model else {})}
+    run = BenchRun(NAME, TARGETS, args, keep_going=True)  # a failed phase is recorded; the other still runs
+    plan = run.plan(FULL, QUICK, model=args.model)
     model_info = C.prepare_model(plan["model"])
     if model_info["num_heads"] % 2 or model_info["num_kv_heads"] % 2:
         ap.error(f"{plan['model']} has {model_info['num_heads']} attention heads and {model_info['num_kv_heads']} "
                  "KV heads: TP=2 needs both even; pick another --model (default: bench)")
-    machine = C.machine_info(plan=plan)
-    raw: dict = {"plan": plan, "model_info": model_info, "why_not_smollm2": WHY_NOT_SMOLLM2, "errors": {}}
     ratios: dict = {}
     with tempfile.TemporaryDirectory(prefix="parallel-bench-") as tmp:
-        tmp_path = Path(tmp)
-        try:
-            watch = C.CpuWatch()
-            tp1, tp2 = decode_steps(plan, 1, tmp_path), decode_steps(plan, 2, tmp_path)
-            raw["decode"] = {"tp1": tp1, "tp2": tp2, "machine_load": watch.stop()}
-            for b in plan["batches"]:
-                one, two = tp1[str(b)], tp2[str(b)]
-                ratios[f"tp2_step_vs_tp1_b{b}"] = statistics.median(two["step_s"]) / statistics.median(one["step_s"])
-                ratios[f"tp2_comm_fraction_b{b}"] = sum(two["comm_s"]) / sum(two["step_s"])
-                raw["decode"][f"median_step_ms_b{b}"] = {"tp1": 1e3 * statistics.median(one["step_s"]),
-                                                        "tp2": 1e3 * statistics.median(two["step_s"])}
-        except Exception as exc:  # recorded; the other phase still runs
-            raw["errors"]["decode"] = repr(exc)[:4000]
-        try:
-            watch = C.CpuWatch()
-            same, hetero = transfer(plan, 1, tmp_path), transfer(plan, 2, tmp_path)
-            raw["transfer"] = {"tp1_to_tp1_s": same, "tp1_to_tp2_s": hetero, "machine_load": watch.stop()}
-            ratios["hetero_transfer_vs_same_tp"] = statistics.median(hetero) / statistics.median(same)
-        except Exception as exc:
-            raw["errors"]["transfer"] = repr(exc)[:4000]
-    name = NAME + (".quick" if args.quick else "")
-    path = C.write_result(name, machine, ratios, TARGETS, raw, args.out_dir)
-    C.print_ratios(ratios, TARGETS, f"{name} ({plan['model']})")
-    print(f"wrote {path}")
-    return 1 if raw["errors"] else 0
+        decode, ratios = run.phase("decode", phase_decode, plan, Path(tmp)) or ({}, {})
+        hetero = run.phase("transfer", phase_transfer, plan, Path(tmp))
+    if hetero:
+        ratios["hetero_transfer_vs_same_tp"] = (statistics.median(hetero["tp1_to_tp2_s"])
+                                                / statistics.median(hetero["tp1_to_tp1_s"]))
+    return run.finish(ratios, model_info=model_info, why_not_smollm2=WHY_NOT_SMOLLM2, decode=decode or None,
+                      transfer=hetero)
 
 
 if __name__ == "__main__":

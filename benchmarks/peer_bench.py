@@ -35,7 +35,6 @@ after every system so an interrupted run keeps what it measured. Exits 0 when a 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -46,10 +45,8 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
-
-import _common as C  # noqa: E402
+from benchmarks import _common as C
+from benchmarks.harness.run import BenchRun, bench_args
 
 NAME = "peer_bench"
 TARGETS = {
@@ -172,8 +169,8 @@ def run_system(python: Path, spec: dict, env: dict, timeout: float) -> dict:
         json.dump(spec, f)
     before, t0 = C.process_cpu_snapshot(), time.perf_counter()
     try:
-        proc = subprocess.run([str(python), str(HERE / "_peer_workload.py"), f.name], capture_output=True,
-                              text=True, env=env, timeout=timeout)
+        proc = subprocess.run([str(python), "-m", "benchmarks._peer_workload", f.name], cwd=C.ROOT,
+                              capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     finally:
@@ -260,9 +257,46 @@ def profile_phase(raw: dict, model: str, p: dict, threads: int, env: dict, timeo
                                                env, timeout)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="short: SmolLM2 only, no vLLM, no profile (about a minute)")
+def systems(model: str, p: dict, dtypes: list[str], with_vllm: bool, quick: bool) -> list[tuple[str, str, str]]:
+    """(system, label, quantization) for each run of `model`: vLLM first (its start-up is the
+    likeliest to fail, and then the run says so early), Brigade's dtypes and quantizations, transformers."""
+    runs = [("vllm", d, "none") for d in dtypes] if with_vllm else []
+    runs += [("brigade", d, "none") for d in dtypes] + ([("brigade", "auto", "none")] if p["auto"] else [])
+    if model == "smollm2-135m":
+        runs += [("brigade", "int8", "int8"), ("brigade", "gguf", "gguf")]
+    return runs + [("transformers", d, "none") for d in (dtypes if not quick else ["float32"])]
+
+
+def run_model(run: BenchRun, model: str, p: dict, dtypes: list[str], vllm_py: Path | None, save) -> None:
+    """Every system's run of `model` not already in run.raw (or not named by --only), saved after each."""
+    from engine.model_config import ModelConfig
+    from engine.presets import resolve_model
+
+    args, raw = run.args, run.raw
+    path = resolve_model(model)
+    base = {"model": str(path), "threads": args.threads,
+            **workload(p, ModelConfig.from_dir(path).vocab_size, seed=len(model))}
+    ppl = {"text": TEXT, "window": 512, "max_windows": p["ppl_windows"]} if Path(TEXT).is_file() else None
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
+    for system, label, quant in systems(model, p, dtypes, vllm_py is not None, args.quick):
+        key = f"{model}/{system}/{label}"
+        if key in raw or (args.only and f"{system}/{label}" not in args.only):
+            continue
+        spec = {**base, "system": system, "dtype": "bfloat16" if quant != "none" else label, "quantization": quant,
+                "perplexity": ppl if system == "brigade" and label in ("float32", "int8", "gguf") else None}
+        print(f"{key} ...", flush=True)
+        py, run_env = (vllm_py, vllm_env(args.threads)) if system == "vllm" else (Path(sys.executable), env)
+        r = raw[key] = run_system(py, spec, run_env, args.timeout)
+        if "error" in r:
+            print(f"  {key}: {r['error']}\n{r.get('stderr_tail', '')[-800:]}", flush=True)
+        else:
+            print(f"  decode {r['decode_step_s'] * 1e3:.2f} ms/token, TTFT {r['ttft_s'] * 1e3:.0f} ms, "
+                  f"batch {r['batch_out_tok_per_s']:.1f} tok/s", flush=True)
+        save()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = bench_args(__doc__.split("\n")[0], "short: SmolLM2 only, no vLLM, no profile (about a minute)")
     ap.add_argument("--skip-vllm", action="store_true", help="leave vLLM out (recorded as skipped)")
     ap.add_argument("--models", nargs="+", help="models to run (default: smollm2-135m bench)")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
@@ -273,102 +307,63 @@ def main() -> None:
     ap.add_argument("--reps", type=int, help="repetitions of the bs1 TTFT and decode runs (default 3)")
     ap.add_argument("--profile-only", action="store_true",
                     help="add the op-class profile (raw.profile) to an existing result file and exit")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.profile_only:
-        path = C.result_path(NAME + (".quick" if args.quick else ""))
-        doc = json.loads(path.read_text())
-        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
-        profile_phase(doc["raw"], (args.models or plan(args.quick)["models"])[0], doc["raw"]["plan"], args.threads,
-                      env, args.timeout)
-        C.write_result(NAME + (".quick" if args.quick else ""), doc["machine"], doc["ratios"], doc["targets"],
-                       doc["raw"])
-        return
-    p = plan(args.quick)
-    if args.reps:  # fewer repetitions (per-step figures stay comparable; medians get noisier)
-        p = {**p, "ttft_reps": args.reps, "decode_reps": args.reps}
-    models = args.models or p["models"]
-    flags = cpu_flags()
-    bf16 = sorted(flags & set(BF16_FLAGS))
-    dtypes = ["float32"] + (["bfloat16"] if bf16 else [])
-    skip_vllm = "quick mode: vLLM's start-up (75-100 s) exceeds the budget" if args.quick else (
-        "--skip-vllm" if args.skip_vllm else None)
-
+        return profile_only(args)
     import torch
 
-    from engine.model_config import ModelConfig
-    from engine.presets import resolve_model
-
-    torch.set_num_threads(args.threads)
-    machine = C.machine_info(cpu_flags_bf16=bf16, amx=sorted(f for f in flags if f.startswith("amx")),
-                             avx512="avx512f" in flags, threads=args.threads)
-    raw: dict = {"plan": p, "dtypes": dtypes, "bfloat16": "measured" if bf16 else
-                 "n/a: the CPU has neither avx512_bf16 nor amx_bf16", "vllm": skip_vllm or "measured",
-                 "probe_before": probe(args.threads), "note": (
-                     "The machine may be shared (other processes' CPU share is in each run's cpu_by_process): "
-                     "absolute figures are noisy, ratios within one run are what counts.")}
-    if args.resume:  # continue an interrupted run: keep its probe and every system it finished
-        prev = json.loads(C.result_path(NAME + (".quick" if args.quick else "")).read_text())
-        raw.update({k: v for k, v in prev["raw"].items() if not (isinstance(v, dict) and "error" in v)})
-        raw["resumed_plan"] = p
-        machine = {**prev["machine"], "resumed_at": machine["timestamp"], "argv_resumed": machine["argv"]}
     from engine.engine_setup import cpu_has_bf16_dot
 
-    raw["auto_dtype_cpu"] = "bfloat16" if cpu_has_bf16_dot() else "float32"
+    torch.set_num_threads(args.threads)
+    flags = cpu_flags()
+    bf16 = sorted(flags & set(BF16_FLAGS))
+    run = BenchRun(NAME, TARGETS, args, cpu_flags_bf16=bf16, amx=sorted(f for f in flags if f.startswith("amx")),
+                   avx512="avx512f" in flags, threads=args.threads)
+    # fewer repetitions keep per-step figures comparable; medians get noisier
+    p = run.plan(plan(False), plan(True), **({"ttft_reps": args.reps, "decode_reps": args.reps} if args.reps else {}))
+    models, dtypes = args.models or p["models"], ["float32"] + (["bfloat16"] if bf16 else [])
+    skip_vllm = "quick mode: vLLM's start-up (75-100 s) exceeds the budget" if args.quick else (
+        "--skip-vllm" if args.skip_vllm else None)
+    run.raw.update(dtypes=dtypes, bfloat16="measured" if bf16 else "n/a: the CPU has neither avx512_bf16 nor amx_bf16",
+                   vllm=skip_vllm or "measured", probe_before=probe(args.threads), note=(
+                       "The machine may be shared (other processes' CPU share is in each run's cpu_by_process): "
+                       "absolute figures are noisy, ratios within one run are what counts."))
+    if args.resume:  # continue an interrupted run: keep its probe and every system it finished
+        prev = json.loads(C.result_path(run.name, out_dir=run.out_dir).read_text())
+        run.raw.update({k: v for k, v in prev["raw"].items() if not (isinstance(v, dict) and "error" in v)})
+        run.raw["resumed_plan"] = p
+        run.machine = {**prev["machine"], "resumed_at": run.machine["timestamp"], "argv_resumed": run.machine["argv"]}
+    run.raw["auto_dtype_cpu"] = "bfloat16" if cpu_has_bf16_dot() else "float32"
     needs_vllm = not skip_vllm and not (args.only and not any(o.startswith("vllm/") for o in args.only))
     vllm_py = ensure_vllm() if needs_vllm else None
     if vllm_py is None and needs_vllm:
-        raw["vllm"] = "n/a: install failed"
-    ours = Path(sys.executable)
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
-    ratios: dict = {}
+        run.raw["vllm"] = "n/a: install failed"
 
-    def save(final: bool = False) -> None:
-        read_bw = raw["probe_before"]["read_bytes_per_s"]
-        per_model = {m: ratios_for(raw, m, dtypes, read_bw) for m in models}
-        raw["ratios_by_model"] = per_model
-        ratios.clear()
-        main_model = models[0]
-        for k in TARGETS:
-            if k in per_model.get(main_model, {}):
-                ratios[k] = per_model[main_model][k]
-        if final:
-            machine["load_average_end"] = C.load_average()
-        C.write_result(NAME + (".quick" if args.quick else ""), machine, ratios, TARGETS, raw)
+    def ratios() -> dict:
+        per_model = run.raw["ratios_by_model"] = {m: ratios_for(run.raw, m, dtypes, run.raw["probe_before"]
+                                                                ["read_bytes_per_s"]) for m in models}
+        return {k: per_model[models[0]][k] for k in TARGETS if k in per_model.get(models[0], {})}
 
     for model in models:
-        path = resolve_model(model)
-        cfg = ModelConfig.from_dir(path)
-        base = {"model": str(path), "threads": args.threads, **workload(p, cfg.vocab_size, seed=len(model))}
-        ppl = {"text": TEXT, "window": 512, "max_windows": p["ppl_windows"]} if Path(TEXT).is_file() else None
-        # vLLM first: its start-up is the likeliest to fail, and then the run says so early.
-        runs = [("vllm", d, "none") for d in dtypes] if vllm_py is not None else []
-        runs += [("brigade", d, "none") for d in dtypes] + ([("brigade", "auto", "none")] if p["auto"] else [])
-        if model == "smollm2-135m":
-            runs += [("brigade", "int8", "int8"), ("brigade", "gguf", "gguf")]
-        runs += [("transformers", d, "none") for d in (dtypes if not args.quick else ["float32"])]
-        for system, label, quant in runs:
-            dtype = "bfloat16" if quant != "none" else label
-            spec = {**base, "system": system, "dtype": dtype, "quantization": quant,
-                    "perplexity": ppl if system == "brigade" and label in ("float32", "int8", "gguf") else None}
-            key = f"{model}/{system}/{label}"
-            if key in raw or (args.only and f"{system}/{label}" not in args.only):
-                continue
-            print(f"{key} ...", flush=True)
-            py, run_env = (vllm_py, vllm_env(args.threads)) if system == "vllm" else (ours, env)
-            raw[key] = run_system(py, spec, run_env, args.timeout)
-            r = raw[key]
-            if "error" in r:
-                print(f"  {key}: {r['error']}\n{r.get('stderr_tail', '')[-800:]}", flush=True)
-            else:
-                print(f"  decode {r['decode_step_s'] * 1e3:.2f} ms/token, TTFT {r['ttft_s'] * 1e3:.0f} ms, "
-                      f"batch {r['batch_out_tok_per_s']:.1f} tok/s", flush=True)
-            save()
+        run.phase(model, run_model, run, model, p, dtypes, vllm_py, lambda: run.checkpoint(ratios()))
     if not args.quick:  # four more model loads: the smoke run stays near a minute
-        profile_phase(raw, models[0], p, args.threads, env, args.timeout)
-    raw["probe_after"] = probe(args.threads)
-    save(final=True)
-    C.print_ratios(ratios, TARGETS, title=NAME)
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
+        run.phase("profile", profile_phase, run.raw, models[0], p, args.threads, env, args.timeout)
+    run.raw["probe_after"] = probe(args.threads)
+    return run.finish(ratios())
+
+
+def profile_only(args) -> int:
+    """Add the op-class profile (raw.profile) to an existing result file."""
+    path = C.result_path(NAME + (".quick" if args.quick else ""), out_dir=args.out_dir)
+    doc = json.loads(path.read_text())
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
+    profile_phase(doc["raw"], (args.models or plan(args.quick)["models"])[0], doc["raw"]["plan"], args.threads,
+                  env, args.timeout)
+    C.write_result(NAME + (".quick" if args.quick else ""), doc["machine"], doc["ratios"], doc["targets"], doc["raw"],
+                   args.out_dir)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -37,7 +37,6 @@ TTFT into queueing that no routing policy removes. `--model NAME|PATH` runs anot
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import json
@@ -47,7 +46,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import _common as C
+from benchmarks import _common as C
+from benchmarks.harness.run import BenchRun, bench_args
 
 NAME = "routing_bench"
 TRACE = Path("/work/shared/data/mooncake_conversation_trace.jsonl")
@@ -245,32 +245,25 @@ def index_phase(plan: Plan, requests: list[Request]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="a smoke run; writes routing_bench.quick.json")
-    ap.add_argument("--model", default="tiny", metavar=C.MODEL_METAVAR, help=C.model_help("tiny", WHY_TINY))
+    ap = bench_args(__doc__, "a smoke run; writes routing_bench.quick.json", model="tiny", why=WHY_TINY)
     ap.add_argument("--trace", type=Path, default=TRACE)
-    ap.add_argument("--out-dir", type=Path, default=None)
     args = ap.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)
-    plan = QUICK if args.quick else FULL
-    name = NAME + (".quick" if args.quick else "")
     model_info = C.prepare_model(args.model)
     assert model_info["vocab_size"] >= VOCAB, f"--model {args.model}: the replay's token ids run up to {VOCAB}"
-    machine = C.machine_info(cluster_cores=2)
-    t_start = time.perf_counter()
+    run = BenchRun(NAME, TARGETS, args, cluster_cores=2)
+    plan = run.plan(FULL, QUICK)
     requests, compression = load_requests(args.trace, plan.sessions, plan.duration_s)
     ideal = ideal_hit_ratio(requests)
-    print(f"{name}: {len(requests)} requests from {plan.sessions} sessions in {plan.duration_s:g} s "
+    print(f"{run.name}: {len(requests)} requests from {plan.sessions} sessions in {plan.duration_s:g} s "
           f"(time compressed {compression:.0f}x), "
           f"{sum(len(r.prompt) for r in requests)} prompt tokens, ideal hit ratio {ideal:.3f}", flush=True)
-    print("- index query latency ...", flush=True)
-    idx = index_phase(plan, requests)
+    idx = run.phase("index query latency", index_phase, plan, requests)
     print(f"  {idx['indexed_blocks']} blocks indexed: p50 {idx['query_ms']['p50']:.3f} ms, "
           f"p99 {idx['query_ms']['p99']:.3f} ms", flush=True)
-    print("- replay on the cluster ...", flush=True)
-    runs = cluster_phase(plan, requests, args.model)
+    runs = run.phase("replay on the cluster", cluster_phase, plan, requests, args.model)
     kv, rr = runs["kv_aware"], runs["round_robin"]
     ratios = {
         "hit_ratio_vs_ideal": kv["hit_ratio"] / ideal if ideal else None,
@@ -278,17 +271,11 @@ def main(argv: list[str] | None = None) -> int:
         "ttft_p90_vs_round_robin": kv["ttft_s"]["p90"] / rr["ttft_s"]["p90"],
         "index_query_p99_ms": idx["query_ms"]["p99"],
     }
-    raw = {"plan": plan.__dict__, "quick": args.quick, "model": args.model, "model_info": model_info,
-           "why_tiny": WHY_TINY,
-           "scaling": {"trace_block_tokens": TRACE_BLOCK, "block_tokens": BLOCK, "length_factor": TRACE_BLOCK / BLOCK,
-                       "max_blocks": MAX_BLOCKS, "time_compression": compression, "max_tokens": 1},
-           "requests": len(requests), "prompt_tokens": sum(len(r.prompt) for r in requests),
-           "ideal_hit_ratio": ideal, "index": idx, "cluster": runs,
-           "total_seconds": time.perf_counter() - t_start}
-    path = C.write_result(name, machine, ratios, TARGETS, raw, args.out_dir)
-    print(f"wrote {path}")
-    C.print_ratios(ratios, TARGETS, title=f"{NAME} ({raw['total_seconds']:.0f} s)")
-    return 0
+    return run.finish(ratios, model=args.model, model_info=model_info, why_tiny=WHY_TINY, scaling={
+        "trace_block_tokens": TRACE_BLOCK, "block_tokens": BLOCK, "length_factor": TRACE_BLOCK / BLOCK,
+        "max_blocks": MAX_BLOCKS, "time_compression": compression, "max_tokens": 1},
+        requests=len(requests), prompt_tokens=sum(len(r.prompt) for r in requests), ideal_hit_ratio=ideal,
+        index=idx, cluster=runs)
 
 
 if __name__ == "__main__":

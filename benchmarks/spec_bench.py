@@ -35,20 +35,18 @@ MISS and still exits 0. Timing is only meaningful on a quiet machine.
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import sys
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import benchmarks._common as C  # noqa: E402
-import benchmarks._disagg_draft_kv as disagg_draft_kv  # noqa: E402
-from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from engine.config import SpeculativeConfig  # noqa: E402
+from benchmarks import _common as C
+from benchmarks import _disagg_draft_kv as disagg_draft_kv
+from benchmarks.harness.run import BenchRun, bench_args
+from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+from engine.config import SpeculativeConfig
 
 NAME = "spec_bench"
 TARGETS = {"draft_speedup_bs1": ">= 2.0", "ngram_speedup_bs1": ">= 1.5", "spec_throughput_b16": ">= 0.95"}
@@ -168,73 +166,66 @@ def compare(label: str, plain_fn, spec_fn) -> dict:
     return out
 
 
+def phase_ngram(plan: Plan, dtype: str) -> dict:
+    """Prompt lookup on rewrite prompts, batch 1 and `concurrent` at once, against the plain engine."""
+    ngram = SpeculativeConfig(method="ngram", k=plan.k_ngram, n=3)
+    plain_engine = make_engine(plan.ngram_model, dtype)
+    rewrites = rewrite_prompts(plain_engine, max(plan.rewrite_prompts, plan.concurrent))
+    bs1 = compare(
+        "prompt lookup, batch 1", lambda: serial(plain_engine, rewrites[: plan.rewrite_prompts], plan.rewrite_tokens),
+        lambda: serial(make_engine(plan.ngram_model, dtype, ngram), rewrites[: plan.rewrite_prompts],
+                       plan.rewrite_tokens))
+    b16 = compare(
+        f"prompt lookup, {plan.concurrent} concurrent",
+        lambda: concurrent(plain_engine, rewrites[: plan.concurrent], plan.rewrite_tokens),
+        lambda: concurrent(make_engine(plan.ngram_model, dtype, ngram), rewrites[: plan.concurrent],
+                           plan.rewrite_tokens))
+    return {"ngram_bs1": bs1, "ngram_b16": b16}
+
+
+def phase_draft(plan: Plan, dtype: str, quantization: str) -> dict:
+    """A draft model on code prompts, batch 1, against the plain target."""
+    draft = SpeculativeConfig(method="draft", draft_model=plan.draft, k=plan.k_draft, draft_quantization=quantization)
+    target = make_engine(plan.target, dtype)
+    code = [chat(target, t) for t in CODE_TASKS[: plan.code_prompts]]
+    return compare("draft model, batch 1", lambda: serial(target, code, plan.code_tokens),
+                   lambda: serial(make_engine(plan.target, dtype, draft), code, plan.code_tokens))
+
+
+def speedup(result: dict | None) -> float | None:
+    return result["spec"]["tokens_per_s"] / result["plain"]["tokens_per_s"] if result else None
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="smoke run (< 1 minute, SmolLM2 only); writes "
-                                                         "spec_bench.quick.json")
+    ap = bench_args(__doc__, "smoke run (< 1 minute, SmolLM2 only); writes spec_bench.quick.json", threads=True)
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="weights and KV dtype (default auto: the machine's best)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
     ap.add_argument("--skip-draft", action="store_true", help="skip the Qwen draft-model pair (no 1.5 GB pull)")
     ap.add_argument("--draft-quantization", choices=["none", "int8", "int4"], default="int4",
                     help="the draft model's weights (default int4: the 0.5B's decode step is ~0.6x int8's on "
                          "a memory-bound CPU at the same acceptance; the target keeps --dtype)")
-    ap.add_argument("--out-dir", type=Path, default=None, help="results directory (default: benchmarks/results)")
     args = ap.parse_args(argv)
+    C.set_all_threads(args.threads)
     plan = QUICK if args.quick else FULL
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    else:
-        C.set_all_threads()
     wanted = {plan.ngram_model, *(() if args.skip_draft else (plan.target, plan.draft))}
     models = {m: C.prepare_model(m) for m in wanted}
-    machine = C.machine_info()
-    t_start = time.perf_counter()
+    run = BenchRun(NAME, TARGETS, args)
+    run.plan(FULL, QUICK)
     print(f"{NAME}{' --quick' if args.quick else ''}: dtype {args.dtype}, {torch.get_num_threads()} torch threads")
-    raw: dict = {"plan": asdict(plan), "dtype": args.dtype, "draft_quantization": args.draft_quantization,
-                 "quick": args.quick, "models": models}
-
-    ngram = SpeculativeConfig(method="ngram", k=plan.k_ngram, n=3)
-    plain_engine = make_engine(plan.ngram_model, args.dtype)
-    rewrites = rewrite_prompts(plain_engine, max(plan.rewrite_prompts, plan.concurrent))
-    raw["ngram_bs1"] = compare(
-        "prompt lookup, batch 1", lambda: serial(plain_engine, rewrites[: plan.rewrite_prompts], plan.rewrite_tokens),
-        lambda: serial(make_engine(plan.ngram_model, args.dtype, ngram), rewrites[: plan.rewrite_prompts],
-                       plan.rewrite_tokens))
-    raw["ngram_b16"] = compare(
-        f"prompt lookup, {plan.concurrent} concurrent",
-        lambda: concurrent(plain_engine, rewrites[: plan.concurrent], plan.rewrite_tokens),
-        lambda: concurrent(make_engine(plan.ngram_model, args.dtype, ngram), rewrites[: plan.concurrent],
-                           plan.rewrite_tokens))
-    plain_engine = None  # its pools go before the Qwen pair loads
-    ratios: dict = {
-        "ngram_speedup_bs1": raw["ngram_bs1"]["spec"]["tokens_per_s"] / raw["ngram_bs1"]["plain"]["tokens_per_s"],
-        "spec_throughput_b16": raw["ngram_b16"]["spec"]["tokens_per_s"] / raw["ngram_b16"]["plain"]["tokens_per_s"],
-        "draft_speedup_bs1": None,
-    }
+    raw: dict = {"dtype": args.dtype, "draft_quantization": args.draft_quantization, "models": models,
+                 **run.phase("prompt lookup", phase_ngram, plan, args.dtype)}
     if not args.skip_draft:
-        draft = SpeculativeConfig(method="draft", draft_model=plan.draft, k=plan.k_draft,
-                                  draft_quantization=args.draft_quantization)
-        target = make_engine(plan.target, args.dtype)
-        code = [chat(target, t) for t in CODE_TASKS[: plan.code_prompts]]
-        raw["draft_bs1"] = compare(
-            "draft model, batch 1", lambda: serial(target, code, plan.code_tokens),
-            lambda: serial(make_engine(plan.target, args.dtype, draft), code, plan.code_tokens))
-        bs1 = raw["draft_bs1"]
-        ratios["draft_speedup_bs1"] = bs1["spec"]["tokens_per_s"] / bs1["plain"]["tokens_per_s"]
-    raw["disagg_draft_kv"] = disagg_draft_kv.measure(args.dtype, plan.disagg_prompts, plan.disagg_prompt_tokens,
-                                                     plan.disagg_tokens)
+        raw["draft_bs1"] = run.phase("draft model", phase_draft, plan, args.dtype, args.draft_quantization)
+    raw["disagg_draft_kv"] = run.phase("draft KV over a disaggregated pair", disagg_draft_kv.measure, args.dtype,
+                                       plan.disagg_prompts, plan.disagg_prompt_tokens, plan.disagg_tokens)
     raw["acceptance"] = {
         f"{phase}:{label}": {"acceptance_rate": raw[phase]["spec"]["acceptance_rate"],
                              "accepted_per_step": raw[phase]["spec"]["accepted_per_step"]}
         for phase, label in (("ngram_bs1", "ngram/rewrite"), ("ngram_b16", "ngram/rewrite-concurrent"),
                              ("draft_bs1", "draft/code")) if phase in raw}
-    raw["total_seconds"] = time.perf_counter() - t_start
-    machine["load_average_end"] = C.load_average()
-    path = C.write_result(NAME + (".quick" if args.quick else ""), machine, ratios, TARGETS, raw, args.out_dir)
-    print(f"wrote {path}")
-    C.print_ratios(ratios, TARGETS, title=f"{NAME} ({raw['total_seconds']:.0f} s)")
-    return 0
+    ratios = {"ngram_speedup_bs1": speedup(raw["ngram_bs1"]), "spec_throughput_b16": speedup(raw["ngram_b16"]),
+              "draft_speedup_bs1": speedup(raw.get("draft_bs1"))}
+    return run.finish(ratios, **raw)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from collections import Counter
 
 import numpy as np
 
-from loadtest.types import RequestRecord
+from loadtest.records import RequestRecord, meets_slo
 
 LATENCIES = ("ttft", "tpot", "itl", "e2el")
 STATS = ("mean", "median", "std", "p50", "p90", "p99")
@@ -24,13 +24,11 @@ SLO_KEYS = ("ttft", "tpot", "itl", "e2el")
 
 
 def itls(record: RequestRecord) -> list[float]:
-    return np.diff(record.chunk_times_s).tolist() if len(record.chunk_times_s) > 1 else []
+    return record.itls_s
 
 
 def tpot(record: RequestRecord) -> float | None:
-    if not record.ok or record.output_tokens < 2 or record.ttft_s is None or record.e2e_s is None:
-        return None
-    return (record.e2e_s - record.ttft_s) / (record.output_tokens - 1)
+    return record.tpot_s
 
 
 def parse_slo(text: str | None) -> dict[str, float]:
@@ -46,14 +44,6 @@ def parse_slo(text: str | None) -> dict[str, float]:
     return slo
 
 
-def meets_slo(record: RequestRecord, slo: dict[str, float]) -> bool:
-    if not record.ok:
-        return False
-    values = {"ttft": record.ttft_s, "tpot": tpot(record) or 0.0, "e2el": record.e2e_s,
-              "itl": max(itls(record), default=0.0)}  # an ITL SLO bounds every gap of the request
-    return all(values[k] is not None and values[k] <= limit for k, limit in slo.items())
-
-
 def _stats(values_s: list[float], name: str) -> dict[str, float | None]:
     ms = np.asarray(values_s, dtype=float) * 1000
     if not ms.size:
@@ -63,21 +53,22 @@ def _stats(values_s: list[float], name: str) -> dict[str, float | None]:
                                                   for p in (50, 90, 99)}}
 
 
-def summarize(records: list[RequestRecord], duration_s: float, slo: dict[str, float] | None = None) -> dict:
-    """The run's summary; keys match `vllm bench serve`'s result where the meaning does."""
-    done = [r for r in records if r.ok]
+def _latencies(done: list[RequestRecord]) -> dict[str, list[float]]:
+    """Each latency's samples over the completed requests, in seconds (ITL pooled over requests)."""
+    return {"ttft": [r.ttft_s for r in done if r.ttft_s is not None],
+            "tpot": [t for r in done if (t := r.tpot_s) is not None],
+            "itl": [gap for r in done for gap in r.itls_s],
+            "e2el": [r.e2e_s for r in done if r.e2e_s is not None]}
+
+
+def _counts(records: list[RequestRecord], done: list[RequestRecord], duration_s: float,
+            slo: dict[str, float] | None) -> dict:
     failed = [r for r in records if not r.ok]
     per_s = 1 / duration_s if duration_s > 0 else 0.0
     n_in = sum(r.prompt_tokens for r in done)
     n_out = sum(r.output_tokens for r in done)
     n_cached = sum(r.cached_tokens for r in done)
-    latencies = {
-        "ttft": [r.ttft_s for r in done if r.ttft_s is not None],
-        "tpot": [t for r in done if (t := tpot(r)) is not None],
-        "itl": [gap for r in done for gap in itls(r)],
-        "e2el": [r.e2e_s for r in done if r.e2e_s is not None],
-    }
-    summary = {
+    return {
         "duration": duration_s,
         "num_prompts": len(records),
         "completed": len(done),
@@ -95,6 +86,12 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: dict[str, fl
         "errors_by_kind": dict(Counter(r.error_kind for r in failed)),
         "slo": {f"{k}_ms": v * 1000 for k, v in (slo or {}).items()},
     }
-    for name in LATENCIES:
-        summary.update(_stats(latencies[name], name))
+
+
+def summarize(records: list[RequestRecord], duration_s: float, slo: dict[str, float] | None = None) -> dict:
+    """The run's summary; keys match `vllm bench serve`'s result where the meaning does."""
+    done = [r for r in records if r.ok]
+    summary = _counts(records, done, duration_s, slo)
+    for name, values in _latencies(done).items():
+        summary.update(_stats(values, name))
     return summary

@@ -2,7 +2,10 @@
 streams back, and what the runner records per request."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+# The per-request record lives with the trace rows, which sim/ reuses; its name stays importable here.
+from loadtest.records import RequestRecord as RequestRecord
 
 Content = list[int] | str  # a prompt part as token ids or as text
 
@@ -73,27 +76,3 @@ class TargetError(Exception):
     def __init__(self, kind: str, message: str):
         super().__init__(message)
         self.kind = kind
-
-
-@dataclass
-class RequestRecord:
-    """One measured request. Times are seconds; `start_s` is since the run began, chunk times
-    are since the request was sent."""
-
-    request_id: str
-    session_id: str
-    turn: int
-    start_s: float
-    prompt_tokens: int
-    output_tokens: int = 0
-    cached_tokens: int = 0
-    ttft_s: float | None = None
-    e2e_s: float | None = None
-    chunk_times_s: list[float] = field(default_factory=list)  # arrival of each chunk that carried tokens
-    chunk_tokens: list[int] = field(default_factory=list)
-    error_kind: str | None = None
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error_kind is None

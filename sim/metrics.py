@@ -1,55 +1,24 @@
 """A simulated request's record and a run's summary, with `brigade bench`'s meanings (TPOT
 excludes the first token; goodput counts requests meeting every SLO) and field names, so
-cluster/sim_bridge.py can hand them to loadtest's report unchanged. sim/ may not import
-loadtest (../shared/DESIGN.md), hence these few lines of its own."""
+cluster/sim_bridge.py can hand them to loadtest's report unchanged. The record and the SLO
+check are loadtest's (loadtest/records.py, the one module of loadtest sim/ imports)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
+from loadtest.records import RequestRecord, meets_slo
+
+__all__ = ["SimRecord", "meets_slo", "summarize"]
+
 
 @dataclass
-class SimRecord:
-    """One simulated request; the fields of loadtest.types.RequestRecord (and its migrations). Times in virtual
-    seconds: `start_s` since the run began, chunk times since the request was sent."""
+class SimRecord(RequestRecord):
+    """One simulated request: loadtest's per-request record (times in virtual seconds) and how
+    often the router moved it to other workers after one died (not in bench records)."""
 
-    request_id: str
-    session_id: str
-    turn: int
-    start_s: float
-    prompt_tokens: int
-    output_tokens: int = 0
-    cached_tokens: int = 0
-    ttft_s: float | None = None
-    e2e_s: float | None = None
-    chunk_times_s: list[float] = field(default_factory=list)
-    chunk_tokens: list[int] = field(default_factory=list)
-    error_kind: str | None = None
-    error: str | None = None
-    migrations: int = 0  # times the router moved it to other workers after one died (not in bench records)
-
-    @property
-    def ok(self) -> bool:
-        return self.error_kind is None
-
-    @property
-    def tpot_s(self) -> float | None:
-        if not self.ok or self.output_tokens < 2 or self.ttft_s is None or self.e2e_s is None:
-            return None
-        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
-
-    @property
-    def max_itl_s(self) -> float:
-        return float(np.diff(self.chunk_times_s).max()) if len(self.chunk_times_s) > 1 else 0.0
-
-
-def meets_slo(r: SimRecord, slo: dict[str, float]) -> bool:
-    """Every SLO (seconds per key: ttft, tpot, itl, e2el) met, as loadtest.metrics.meets_slo."""
-    if not r.ok:
-        return False
-    values = {"ttft": r.ttft_s, "tpot": r.tpot_s or 0.0, "e2el": r.e2e_s, "itl": r.max_itl_s}
-    return all(values[k] is not None and values[k] <= limit for k, limit in slo.items())
+    migrations: int = 0
 
 
 def summarize(records: list[SimRecord], duration_s: float, slo: dict[str, float] | None = None) -> dict:

@@ -7,41 +7,18 @@ requests whose ids begin alike share that prefix). loadtest's trace workload tur
 random tokens, which a 12,000-request trace cannot afford in memory; here a prompt is its ids,
 and its tokens (block k of id h is `block` copies of h) are made only while the request runs.
 Same prefix sharing at the token level, so the router's and the engine's real block hashes see
-exactly the trace's sharing. Scaling as in loadtest/workloads/trace.py.
+exactly the trace's sharing. The rows, their checks and their scaling are loadtest's
+(loadtest/records.py), the one module of loadtest sim/ imports.
 """
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from loadtest.records import TraceFormatError, read_trace
 
-class TraceFormatError(ValueError):
-    pass
-
-
-def load_rows(path: Path) -> list[dict]:
-    """The trace's rows, each checked for the fields this replay needs (as loadtest's replay
-    checks them: sim/ does not import loadtest)."""
-    rows = []
-    with Path(path).open() as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                ok = (isinstance(row, dict) and isinstance(row.get("hash_ids"), list) and row["hash_ids"]
-                      and all(isinstance(row.get(k), (int, float)) for k in ("timestamp", "input_length",
-                                                                             "output_length")))
-            except ValueError:
-                ok = False
-            if not ok:
-                raise TraceFormatError(f"{path}:{n}: expected a JSON object with timestamp, input_length, "
-                                       f"output_length and a non-empty hash_ids list, got {line[:80]!r}")
-            rows.append(row)
-    return rows
+__all__ = ["TraceFormatError", "TracePrompt", "TraceRequest", "from_trace", "ideal_hit_ratio", "load_trace"]
 
 
 @dataclass(frozen=True)
@@ -85,20 +62,10 @@ def load_trace(path: str | Path, block_size: int = 512, length_scale: float = 1.
                time_scale: float = 1.0, num_prompts: int | None = None, start_s: float = 0.0,
                window_s: float | None = None) -> list[TraceRequest]:
     """The trace's requests in [start_s, start_s + window_s), arrival times from the window's start."""
-    if length_scale <= 0 or output_scale <= 0 or time_scale <= 0:
-        raise ValueError("trace length, output and time scales must be > 0")
-    rows = [r for r in load_rows(Path(path)) if r["timestamp"] / 1000 >= start_s
-            and (window_s is None or r["timestamp"] / 1000 < start_s + window_s)]
-    rows = rows[:num_prompts] if num_prompts else rows
-    block = max(1, round(block_size * length_scale))
-    out = []
-    for i, row in enumerate(rows):
-        ids = tuple(int(h) for h in row["hash_ids"])
-        n_in = math.ceil(row["input_length"] * length_scale)
-        n_in = min(len(ids) * block, max((len(ids) - 1) * block + 1, n_in))
-        out.append(TraceRequest(f"trace-{i}", (row["timestamp"] / 1000 - start_s) * time_scale,
-                                TracePrompt(ids, block, n_in), max(1, round(row["output_length"] * output_scale))))
-    return out
+    return [TraceRequest(f"trace-{row.index}", row.arrival_s, TracePrompt(row.hash_ids, row.block, row.input_len),
+                         row.output_len)
+            for row in read_trace(path, block_size, length_scale, output_scale, time_scale, num_prompts, start_s,
+                                  window_s)]
 
 
 def ideal_hit_ratio(requests: list[TraceRequest]) -> float:

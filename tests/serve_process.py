@@ -1,42 +1,17 @@
-"""A real `brigade serve` in a subprocess, for the tests that drive it from outside."""
+"""A real `brigade serve` in a subprocess, for the tests that drive it from outside: the served
+fleet of benchmarks.harness.served with the tests' defaults (float32 weights, the tiny preset built
+once up front, the log shown on failure), and what the tests look up inside it."""
 from __future__ import annotations
 
 import contextlib
-import os
-import select
-import signal
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+from benchmarks.harness.served import RAY_ENV, ROOT, Served, ready_lines, served_fleet, start, stop
 
-
-@dataclass
-class Served:
-    proc: subprocess.Popen
-    log: Path  # its stderr
-    out: list[str]  # its stdout lines up to the ready line
-
-    @property
-    def http_base(self) -> str:  # http://HOST:PORT, from "Brigade serving MODEL at http://HOST:PORT/v1 ..."
-        return self.out[-1].split(" at ")[1].split()[0].removesuffix("/v1")
-
-    @property
-    def grpc_target(self) -> str:  # HOST:PORT, from "... and grpc://HOST:PORT ..."
-        return self.out[-1].split("grpc://")[1].split()[0]
-
-
-# ray.init inside serve now and then fails to bootstrap its own daemons on a loaded 2-core
-# machine (the GCS writes no port file or answers no "node info" in time; the dashboard
-# process aborts). serve then exits 1 saying so, as it should; the tests start it once more
-# rather than fail on Ray's start.
-RAY_BOOTSTRAP_FAILURES = ("Failed to get node info", "Failed to start the dashboard",
-                          "Timed out waiting for file")
+__all__ = ["RAY_ENV", "ROOT", "Served", "brigade_serve", "door_in_flight", "find_process", "ray_address",
+           "ready_lines", "serve_processes", "start", "stop"]
 
 
 @contextlib.contextmanager
@@ -49,50 +24,13 @@ def brigade_serve(flags: list[str], log: Path, timeout_s: float = 180.0,
 
     if not any(f == "--dtype" or f.startswith("--dtype=") for f in flags):
         flags = [*flags, "--dtype", "float32"]
-
     materialize("tiny")  # once here, rather than raced by the server and a reference engine
-    for attempt in (1, 2):
-        with log.open("w") as err:
-            proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", *flags], cwd=ROOT,
-                                    env={**os.environ, **RAY_ENV, **(env or {})}, stdout=subprocess.PIPE, stderr=err,
-                                    text=True)
-        out = _ready_lines(proc, log, timeout_s)
-        if out is not None:
-            break
-        text = log.read_text()
-        assert attempt == 1 and any(f in text for f in RAY_BOOTSTRAP_FAILURES), (
-            f"no ready line within {timeout_s:g} s (exit code {proc.poll()}):\n{text[-3000:]}")
-        log.rename(log.with_suffix(".first-attempt.log"))
     try:
-        yield Served(proc, log, out)
+        with served_fleet(flags, log, timeout_s, env) as served:
+            yield served
     finally:
-        _stop(proc)
-        print(log.read_text()[-5000:], file=sys.stderr)  # pytest shows it on failure
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM (serve drains and stops what it started), SIGKILL if that takes over a minute."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _ready_lines(proc: subprocess.Popen, log: Path, timeout_s: float) -> list[str] | None:
-    """serve's stdout up to its ready line; None if it exited first (stopped if it hangs)."""
-    out: list[str] = []
-    deadline = time.monotonic() + timeout_s
-    while not (out and out[-1].startswith("Brigade serving")):
-        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-        line = proc.stdout.readline() if ready else ""
-        if not line:
-            _stop(proc)
-            return None
-        out.append(line)
-    return out
+        if log.exists():
+            print(log.read_text()[-5000:], file=sys.stderr)  # pytest shows it on failure
 
 
 def serve_processes(served: Served) -> list:

@@ -7,7 +7,6 @@ benchmarks/results/chaos.json in the benchmarks' shape, merged into what earlier
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +30,7 @@ class ChaosFigures:
         self.targets.update({f"{name}.{k}": v for k, v in (targets or {}).items()})
 
     def write(self) -> Path:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-        import _common as C
+        from benchmarks import _common as C
 
         path = C.result_path("chaos")
         old = json.loads(path.read_text()) if path.exists() else {"ratios": {}, "targets": {}, "raw": {}}

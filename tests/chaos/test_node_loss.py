@@ -1,5 +1,5 @@
 """Chaos: a Ray node lost under live greedy requests, on a real multi-node Ray cluster on this
-machine (tests/multinode_scenarios.py, node_loss): every request ends token-identical or refused
+machine (benchmarks/harness/multinode.py, node_loss): every request ends token-identical or refused
 as retriable, none hangs; the router ejects the lost node's worker within 5 s; the supervisor
 replaces it on the node with room; a node that comes back takes the next replacement.
 
@@ -9,7 +9,8 @@ with BRIGADE_CHAOS_FULL=1; benchmarks/multinode_bench.py measures the same on a 
 from __future__ import annotations
 
 import pytest
-from multinode_scenarios import node_loss, ratios
+
+from benchmarks.harness.multinode import node_loss, ratios
 
 pytestmark = pytest.mark.extended  # multi-node Ray: `make test-extended`, not `make test`
 

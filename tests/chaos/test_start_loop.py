@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from serve_process import RAY_ENV, ROOT, _ready_lines, _stop
+from serve_process import ready_lines, start, stop
 
 FULL = os.environ.get("BRIGADE_CHAOS_FULL") == "1"
 CYCLES = 30 if FULL else 1
@@ -31,16 +31,13 @@ def test_serve_starts_every_time_with_the_cores_busy(tmp_path, chaos_figure) -> 
     try:
         for cycle in range(CYCLES):
             log = tmp_path / f"serve-{cycle}.log"
-            with log.open("w") as err:
-                proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--http-port", "0",
-                                         "--grpc-port", "0", "--num-blocks", "64"], cwd=ROOT,
-                                        env={**os.environ, **RAY_ENV}, stdout=subprocess.PIPE, stderr=err, text=True)
+            proc = start(["--http-port", "0", "--grpc-port", "0", "--num-blocks", "64"], log)
             began = time.monotonic()
-            out = _ready_lines(proc, log, timeout_s=200)
+            out = ready_lines(proc, log, timeout_s=200)
             if out is not None:
                 ready += 1
                 start_s.append(time.monotonic() - began)
-                _stop(proc)
+                stop(proc)
             exits.append(proc.returncode)
             text = log.read_text()
             retried += "trying once more" in text

@@ -34,7 +34,7 @@ def test_cpu_smoke_runs_every_section(tmp_path):
 
 
 def test_without_cuda_the_full_check_says_what_to_do(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "_gpu_check.py"), "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks._gpu_check", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=60,
                           env=os.environ | {"CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 2 and "--cpu-smoke" in proc.stderr

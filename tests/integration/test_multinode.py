@@ -1,4 +1,4 @@
-"""Brigade on a real multi-node Ray cluster (tests/ray_nodes.py): a head at 127.0.19.1 and two
+"""Brigade on a real multi-node Ray cluster (benchmarks/harness/ray_nodes.py): a head at 127.0.19.1 and two
 worker nodes, 127.0.19.2 with the `prefill` resource and 127.0.19.3 with `decode`, each its own
 raylet and object store, Ray token auth on. `brigade serve --ray-address` joins it as a real
 deployment does (the owner front: it starts the workers), with a shared redis-server.
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from ray_nodes import HEAD_IP, RayNodes
 from serve_process import Served, brigade_serve
 
+from benchmarks.harness.ray_nodes import HEAD_IP, RayNodes
 from router.index.view import IndexView
 
 pytestmark = pytest.mark.extended  # multi-node Ray: `make test-extended`, not `make test`

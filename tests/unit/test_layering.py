@@ -25,11 +25,14 @@ MAY_IMPORT: dict[str, set[str]] = {
     "prefill_worker": {"engine", "kv_transfer"},
     "decode_worker": {"engine", "kv_transfer"},
     "router": {"engine", "brigade_client"},
-    "sim": {"engine", "router"},
+    "sim": {"engine", "router", "loadtest"},  # of loadtest only its trace rows and record (ONLY_MODULES)
     "cluster": OURS - {"cluster"},
     "brigade_client": set(),
     "loadtest": {"brigade_client"},
 }
+# Where a row allows a package only in part: these modules of it, no others. sim/ reuses
+# loadtest's trace rows and per-request record (DESIGN.md's loadtest/ row), not the load generator.
+ONLY_MODULES: dict[tuple[str, str], set[str]] = {("sim", "loadtest"): {"loadtest.records"}}
 # The service libraries (and pickle) a package's row does not list.
 RAY, REDIS, GRPC = {"ray"}, {"redis"}, {"grpc", "grpc_health", "grpc_reflection", "google"}
 PICKLE = {"pickle", "_pickle", "cloudpickle", "dill"}
@@ -55,14 +58,19 @@ def modules(package_dir: str) -> Iterator[Path]:
             yield path
 
 
-def imported_roots(path: Path) -> set[str]:
-    roots: set[str] = set()
+def imported_modules(path: Path) -> set[str]:
+    """The absolute module names `path` imports (for `from M import x`: M, and M.x where x may be a module)."""
+    found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
         if isinstance(node, ast.Import):
-            roots.update(alias.name.partition(".")[0] for alias in node.names)
+            found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            roots.add(node.module.partition(".")[0])
-    return roots
+            found.add(node.module)
+    return found
+
+
+def imported_roots(path: Path) -> set[str]:
+    return {name.partition(".")[0] for name in imported_modules(path)}
 
 
 def edges() -> dict[str, dict[str, set[str]]]:
@@ -87,6 +95,25 @@ def test_packages_import_only_what_the_design_table_allows() -> None:
     offenders = {f"{pkg} -> {dep}": sorted(files) for pkg, deps in found.items() for dep, files in deps.items()
                  if (dep in OURS and dep not in MAY_IMPORT[pkg]) or dep in MAY_NOT_IMPORT[pkg]}
     assert offenders == {}
+
+
+def test_a_package_allowed_in_part_is_imported_only_there() -> None:
+    offenders = {}
+    for (pkg, dep), allowed in ONLY_MODULES.items():
+        directory = next(d for d, name in PACKAGES.items() if name == pkg)
+        for path in modules(directory):
+            wrong = {m for m in imported_modules(path) if m.partition(".")[0] == dep and m not in allowed}
+            if wrong:
+                offenders[str(path.relative_to(ROOT))] = sorted(wrong)
+    assert offenders == {}
+
+
+def test_the_module_a_package_may_import_in_part_imports_no_more_of_its_own() -> None:
+    """loadtest.records brings nothing of the load generator along (it imports no other loadtest module)."""
+    for allowed in ONLY_MODULES.values():
+        for module in allowed:
+            path = ROOT / (module.replace(".", "/") + ".py")
+            assert {m for m in imported_modules(path) if m.partition(".")[0] in OURS} == set(), module
 
 
 def test_nothing_imports_the_composition_root() -> None:

@@ -11,6 +11,7 @@ import pytest
 from shared_data import SHARED_DATA, shared_data
 
 from loadtest.arrivals import arrival_offsets
+from loadtest.records import TraceFormatError, load_rows
 from loadtest.types import Session, Turn
 from loadtest.workloads import (
     MultiTurnWorkload,
@@ -20,7 +21,6 @@ from loadtest.workloads import (
     build_sessions,
 )
 from loadtest.workloads.tokens import FIRST_ID, as_text, sample_lengths
-from loadtest.workloads.trace import TraceFormatError, load_rows
 
 # The shared Mooncake conversation trace, next to the repository (../shared/data/).
 TRACE_NAME = "mooncake_conversation_trace.jsonl"

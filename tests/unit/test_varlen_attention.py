@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import greedy, make_engine, make_prompts
-from varlen_cases import CASES, attend_both_ways, relative_error
 
+from benchmarks.harness.varlen_cases import CASES, attend_both_ways, relative_error
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from engine.models.varlen_attention import default_kernel, flash_varlen, sdpa_varlen, varlen_metadata
 

@@ -1,5 +1,5 @@
 """The multi-node scenarios the node-loss chaos test asserts on and benchmarks/multinode_bench.py
-measures: each builds its own cluster (tests/ray_nodes.py) and `brigade serve` processes, runs,
+measures: each builds its own cluster (benchmarks/harness/ray_nodes.py) and `brigade serve` processes, runs,
 tears everything down and returns its figures.
 
 node_loss: a head (fronts only), node B (127.0.19.2: the prefill worker and one decode worker)
@@ -19,13 +19,22 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
-from ray_nodes import HEAD_IP, RayNodes
-from serve_process import brigade_serve
+from benchmarks.harness.ray_nodes import HEAD_IP, RayNodes
+from benchmarks.harness.served import served_fleet
 
 NODE_B, NODE_C, NODE_D = "127.0.19.2", "127.0.19.3", "127.0.19.4"
 PLACEMENT = {"placement": {"prefill": {"prefill": 1}, "decode": {"decode": 1}}, "transfer": {"host": "node"},
              "supervisor": {"grace_s": 1.0}}
 HUNG_S = 240.0  # a request not ended by then counts as hung
+
+
+def _serve(flags: list[str], log: Path, timeout_s: float, env: dict[str, str]):
+    """A served fleet in float32, the dtype of reference_tokens' engine (`auto` picks bfloat16 on
+    CPUs with bfloat16 instructions), of serve's default model, built once up front."""
+    from engine.presets import materialize
+
+    materialize("tiny")
+    return served_fleet([*flags, "--dtype", "float32"], log, timeout_s, env)
 
 
 def complete(base: str, prompt: list[int], max_tokens: int, timeout_s: float = HUNG_S) -> dict:
@@ -94,7 +103,7 @@ def node_loss(tmp: Path, streams: int = 8, max_tokens: int = 160, rejoin: bool =
         flags = ["--ray-address", nodes.address, "--host", HEAD_IP, "--http-port", "0", "--grpc-port", "0",
                  "--config", str(config), "--num-blocks", "256", "--num-cpus", "2", "--prefill", "1",
                  "--decode", "2"]
-        owner = stack.enter_context(brigade_serve(flags, tmp / "owner.log", timeout_s=600, env=nodes.env))
+        owner = stack.enter_context(_serve(flags, tmp / "owner.log", timeout_s=600, env=nodes.env))
         base = owner.http_base
         assert nodes.node(NODE_C).actor_titles() == ["DecodeActor"], nodes.node(NODE_C).actor_titles()
         nodes.add(NODE_D, {"decode": 1})  # room for a replacement, joining once serving
@@ -176,10 +185,10 @@ def two_fronts(tmp: Path, groups: int = 8, per_group: int = 6, concurrency: int 
         config = tmp / "cluster.yaml"
         config.write_text(json.dumps(PLACEMENT))
         common = ["--ray-address", nodes.address, "--http-port", "0", "--grpc-port", "0", "--redis-url", redis.url]
-        owner = stack.enter_context(brigade_serve(
+        owner = stack.enter_context(_serve(
             [*common, "--host", HEAD_IP, "--config", str(config), "--num-blocks", "512", "--num-cpus", "2",
              "--prefill", "2", "--decode", "1"], tmp / "owner.log", timeout_s=600, env=nodes.env))
-        front = stack.enter_context(brigade_serve([*common, "--host", NODE_B, "--front-only"], tmp / "front.log",
+        front = stack.enter_context(_serve([*common, "--host", NODE_B, "--front-only"], tmp / "front.log",
                                                   timeout_s=600, env=nodes.env))
         run = dict(groups=groups, per_group=per_group, concurrency=concurrency, max_tokens=max_tokens)
         one = _shared_prefix_run([owner.http_base], 1, **run)

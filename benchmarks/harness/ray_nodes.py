@@ -179,7 +179,7 @@ class RayNodes:
                 return node
             except RuntimeError:
                 # On a loaded machine Ray's own bootstrap now and then misses its fixed waits (as
-                # serve_process.RAY_BOOTSTRAP_FAILURES): stop what it started, once more.
+                # benchmarks.harness.served.RAY_BOOTSTRAP_FAILURES): stop what it started, once more.
                 text = log.read_text()
                 if attempt == 2 or not any(f in text for f in RAY_BOOTSTRAP_FAILURES):
                     raise
