@@ -1,0 +1,1 @@
+"""Brigade's benchmarks: `python -m benchmarks.NAME`."""
