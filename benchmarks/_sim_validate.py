@@ -1,15 +1,27 @@
-"""Simulated against measured: real `brigade serve` fleets on this machine, loaded with
-`brigade bench run`, beside simulated runs of the same fleets and workloads on the profile
-`brigade sim calibrate` fits here (sim_bench's validation and advisor parts).
+"""The pieces of sim_bench's validation: real `brigade serve` fleets on this machine loaded with
+`brigade bench run`, and their simulated twins.
 
 A measured run and its simulation share everything that decides the result: the fleet (mode,
-worker counts, KV blocks, block size, scheduler limits, the engine preset), and the requests
+worker counts, KV blocks, block size, scheduler limits, the engine preset) and the requests
 and their arrival times (the simulator builds them with loadtest's own generator, from the
-same seed bench uses for each rate of a sweep). The simulated workers take the calibrated
-step costs of a worker with the torch threads the real one gets (cores / workers).
+seed bench uses for each rate of a sweep).
+
+The product simulator gives every worker a device of its own and knows nothing of a serving
+path. The fleets measured here share one machine's cores and pay a serving path (the door,
+the router, the actor calls) that is a large part of a short request's time on a CPU, so the
+twin adds this machine's model, and only here:
+- `SharedCores`, the StepHost its workers' steps run on: the machine's cores shared among the
+  steps running at once and the serving path's CPU for each streamed token (processor sharing);
+- a served worker's per-step and per-sequence cost beyond its engine's, folded into the device's
+  step and sequence overheads;
+- `with_serving_path`: each request's serving latency (per request, per prompt token, a
+  disaggregated fleet's handoff) added to its every token, and a disaggregated decode worker's
+  admission (from the first token to its pull) to every token after the first.
+Its serving terms are measured on this machine's serves (`serving_probe`) and stored with the tries.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -17,26 +29,26 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TypeVar
-
-from cluster.steal import STOLEN, StealMeter
-
-T = TypeVar("T")
 
 ROOT = Path(__file__).resolve().parents[1]
 READY = re.compile(r"^Brigade serving .* at (http:\S+)/v1 ")
+# validated figure -> bench's summary key
 METRICS = {"ttft_p50": "p50_ttft_ms", "ttft_p90": "p90_ttft_ms", "tpot_mean": "mean_tpot_ms",
            "throughput": "request_throughput", "hit_ratio": "cache_hit_ratio"}
+FIGURES = (*METRICS.values(), "request_goodput", "completed", "failed")
+# A figure whose tries barely differ (a hit ratio fixed by the prompts) is held to this share of
+# its mean as its spread, so a hair's difference is not many spreads.
+MIN_SPREAD = 0.01
 
 
 @dataclass(frozen=True)
 class Fleet:
-    """A configuration served for real and simulated. Colocated: `workers` mixed workers."""
+    """A configuration served for real and simulated. Colocated: `workers_colocated` mixed workers."""
 
     name: str
     mode: str  # "disaggregated" | "colocated"
@@ -51,7 +63,7 @@ class Fleet:
     def serve_flags(self) -> list[str]:
         # One core's share per worker, so each gets one torch thread, as the calibrated profile had.
         cpus = ["--num-cpus", str(self.workers)]
-        if self.mode == "colocated":  # serving_bench.sh's colocated form: --decode N mixed workers
+        if self.mode == "colocated":
             return ["--mode", "colocated", "--decode", str(self.workers_colocated), *cpus]
         return ["--mode", "disaggregated", "--prefill", str(self.prefill), "--decode", str(self.decode), *cpus]
 
@@ -61,9 +73,18 @@ class Fleet:
         return {"mode": "disaggregated", "prefill": self.prefill, "decode": self.decode}
 
 
+def fleet_named(name: str) -> Fleet:
+    """'2mixed' -> 2 colocated workers, '2p1d' -> 2 prefill + 1 decode."""
+    if m := re.fullmatch(r"(\d+)mixed", name):
+        return Fleet(name, "colocated", workers_colocated=int(m.group(1)))
+    if m := re.fullmatch(r"(\d+)p(\d+)d", name):
+        return Fleet(name, "disaggregated", prefill=int(m.group(1)), decode=int(m.group(2)))
+    raise ValueError(f"not a fleet name: {name!r} (NmixeD or NpMd)")
+
+
 @dataclass(frozen=True)
 class Load:
-    """A shared-prefix workload (serving_bench.sh's) at a sweep of rates."""
+    """A shared-prefix workload at a sweep of rates."""
 
     rates: tuple[float, ...]
     num_groups: int = 4
@@ -83,16 +104,19 @@ class Load:
                 "--burstiness", str(self.burstiness), "--seed", str(self.seed),
                 "--vocab-size", str(self.vocab_size), "--ignore-eos", "--return-token-ids"]
 
-    def workload(self, run_index: int):
+    def sessions(self, rate_index: int, seed_offset: int = 0) -> list:
+        """The simulated sessions of the `rate_index`-th rate, as bench draws them (seed + index)."""
+        from cluster.sim_bridge import from_loadtest
         from loadtest.workloads.shared_prefix import SharedPrefixWorkload
 
-        # bench draws the i-th rate's prompts and arrivals from seed + i (loadtest/runner.py)
-        return SharedPrefixWorkload(num_groups=self.num_groups, prompts_per_group=self.prompts_per_group,
+        work = SharedPrefixWorkload(num_groups=self.num_groups, prompts_per_group=self.prompts_per_group,
                                     system_prompt_len=self.system_prompt_len, question_len=self.question_len,
-                                    output_len=self.output_len, seed=self.seed + run_index,
+                                    output_len=self.output_len, seed=self.seed + seed_offset + rate_index,
                                     vocab_size=self.vocab_size)
+        return from_loadtest(work, self.rates[rate_index], burstiness=self.burstiness)
 
 
+# -- the measured side --------------------------------------------------------------------------
 def _env() -> dict:
     return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
             "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -136,252 +160,232 @@ def bench(url: str, load: Load, slo: str, out_dir: Path, label: str, warmup: int
     return json.loads((out_dir / "result.json").read_text())["runs"]
 
 
-def least_stolen(measure: Callable[[], T], what: str, attempts: int = 3) -> tuple[T, float]:
-    """`measure()`, taken again while the hypervisor took more than STOLEN of the CPU time the
-    machine wanted during it (cluster/steal.py: its spells slow every step by tens of percent
-    for minutes), at most `attempts` times; the least stolen result and its steal share."""
-    best: tuple[T, float] | None = None
-    for attempt in range(1, attempts + 1):
-        meter = StealMeter()
-        result = measure()
-        share = meter.share()
-        if best is None or share < best[1]:
-            best = (result, share)
-        if share <= STOLEN:
-            break
-        print(f"  {what}: the hypervisor took {share:.0%} of the CPU time (steal)"
-              + ("; measuring again" if attempt < attempts else "; keeping the least stolen try"), flush=True)
-    return best
-
-
-def calibrate(model: str, threads: int, out: Path, attempts: int = 3) -> dict:
-    """`brigade sim calibrate` here (a subprocess: torch threads are per process); its profile.
-    Tried again when the steps fit no roofline (a burst of other work during the timing), and
-    while the hypervisor steals (least_stolen)."""
-    cmd = [sys.executable, "-m", "cluster.cli", "sim", "calibrate", "--preset", model, "--threads", str(threads),
+def calibrate(model: str, out: Path, attempts: int = 3) -> dict:
+    """`brigade sim calibrate` here with one torch thread (a subprocess: torch threads are per
+    process), tried again when the steps fit no roofline (a burst of other work); its profile."""
+    cmd = [sys.executable, "-m", "cluster.cli", "sim", "calibrate", "--preset", model, "--threads", "1",
            "--out", str(out)]
-
-    def fit() -> tuple[str, str]:
-        for attempt in range(1, attempts + 1):
-            done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
-            if done.returncode == 0:
-                return done.stdout, out.read_text()
-            print(f"  calibrate attempt {attempt}: {done.stderr.strip().splitlines()[-1:]}", flush=True)
-        raise RuntimeError(f"brigade sim calibrate failed {attempts} times: {done.stderr.strip()[-300:]}")
-
-    (stdout, profile), _ = least_stolen(fit, "the engine fit")
-    out.write_text(profile)
-    out.with_suffix(".fit.out").write_text(stdout)  # each step's time against the fit
-    return json.loads(profile)
+    for attempt in range(1, attempts + 1):
+        done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+        if done.returncode == 0:
+            out.with_suffix(".fit.out").write_text(done.stdout)  # each step's time against the fit
+            return json.loads(out.read_text())
+        print(f"  calibrate attempt {attempt}: {done.stderr.strip().splitlines()[-1:]}", flush=True)
+    raise RuntimeError(f"brigade sim calibrate failed {attempts} times: {done.stderr.strip()[-300:]}")
 
 
-# The serving path's time terms (its CPU on the same cores as the engine's steps); corun_slowdown
-# is a ratio and stays.
-SERVING_TIMES = ("request_overhead_s", "request_overhead_per_token_s", "worker_step_overhead_s", "token_overhead_s",
-                 "decode_worker_step_overhead_s", "decode_token_overhead_s", "handoff_overhead_s",
-                 "decode_admit_overhead_s", "kv_receive_cpu_per_token_s", "stream_cpu_s", "corun_wait_s",
-                 "corun_wait_per_answer_s")
-
-
-def engine_fit_around(model: str, before: dict, after: dict, serving: dict) -> dict:
-    """A profile whose engine terms are the mean of two fits of the same steps (taken just
-    before and just after a measured run: the machine's speed drifts between runs), and whose
-    serving path's terms are `serving`'s, scaled by how far the engine's steps moved from
-    `serving`'s own engine fit: both are CPU work on the same cores, and serving terms taken in
-    a fast spell (the engine's decode steps 15-30% quicker than in the tries around them) put
-    every 1P+1D figure of one run low (re-simulated with the scaling, that run's 21 latency
-    errors summed 3.41 instead of 3.96, and another run's 2.31 instead of 2.44). Means of the
-    per-unit times (1 / rate, overheads): the two fits share one design, so that is the fit of
-    the mean step times; and of their decode batches' scales (sim/hardware.py decode_batch_scale)."""
-    inv = {"peak_flops": lambda p: 1 / p["peak_flops"], "mem_bw": lambda p: 1 / p["mem_bw"],
+def mean_fit(before: dict, after: dict) -> dict:
+    """The device whose steps are the mean of two fits' (taken just before and just after a
+    measured try: this machine's speed drifts within minutes): means of the per-unit times."""
+    inv = {"flops": lambda p: 1 / p["peak_flops"], "bw": lambda p: 1 / p["mem_bw"],
            "attn": lambda p: 1 / (p["peak_flops"] * p["attn_eff"]),
-           "prompt_attn": lambda p: 1 / (p["peak_flops"] * p.get("prompt_attn_eff", 1.0))}
+           "prompt_attn": lambda p: 1 / (p["peak_flops"] * p["prompt_attn_eff"])}
     if before.get("decode_attn_eff") and after.get("decode_attn_eff"):
         inv["decode_attn"] = lambda p: 1 / (p["peak_flops"] * p["decode_attn_eff"])
     mean = {k: (f(before) + f(after)) / 2 for k, f in inv.items()}
-    out = {**serving, "peak_flops": 1 / mean["peak_flops"], "mem_bw": 1 / mean["mem_bw"],
-           "attn_eff": min(1.0, mean["peak_flops"] / mean["attn"]),
-           "prompt_attn_eff": min(1.0, mean["peak_flops"] / mean["prompt_attn"]),
-           "decode_attn_eff": min(1.0, mean["peak_flops"] / mean["decode_attn"]) if "decode_attn" in mean else None}
-    for k in ("step_overhead_s", "seq_overhead_s"):
-        out[k] = (before[k] + after[k]) / 2
-    scales = [dict(map(tuple, p.get("decode_batch_scale") or ())) for p in (before, after)]
-    out["decode_batch_scale"] = [(b, (scales[0][b] + scales[1][b]) / 2) for b in sorted(scales[0]) if b in scales[1]]
-    speed = _decode_steps_s(model, out) / _decode_steps_s(model, serving)
-    return out | {k: serving[k] * speed for k in SERVING_TIMES if serving.get(k) is not None}
-
-
-def _fit(model: str, profile: dict):
-    """The roofline a profile (a JSON dict) gives `model`'s steps."""
-    from sim.cost import Roofline
-    from sim.hardware import DeviceProfile
-    from sim.shapes import load_shape
-
-    return Roofline(load_shape(model), DeviceProfile.model_validate(profile))
-
-
-def _decode_steps_s(model: str, profile: dict) -> float:
-    """A decode step of 1 and of 4 short sequences, as `profile` times them: the batches the
-    serving terms were measured beside."""
-    from cluster.serving_costs import DECODE_TOKENS, SHORT_LEN
-    from sim.cost import StepWork
-
-    fit, context = _fit(model, profile), SHORT_LEN + DECODE_TOKENS // 2
-    return sum(fit.step_s(StepWork.of([(1, context, True)] * width)) for width in (1, 4))
+    return {**before, "peak_flops": 1 / mean["flops"], "mem_bw": 1 / mean["bw"],
+            "attn_eff": min(1.0, mean["flops"] / mean["attn"]),
+            "prompt_attn_eff": min(1.0, mean["flops"] / mean["prompt_attn"]),
+            "decode_attn_eff": min(1.0, mean["flops"] / mean["decode_attn"]) if "decode_attn" in mean else None,
+            "step_overhead_s": (before["step_overhead_s"] + after["step_overhead_s"]) / 2,
+            "seq_overhead_s": (before["seq_overhead_s"] + after["seq_overhead_s"]) / 2}
 
 
 def engine_drift(model: str, before: dict, after: dict) -> float:
-    """How far this machine's speed moved between two engine fits: the largest relative
-    difference of the steps a validated run is made of (a decode batch of 1 and of 4, a
-    512-token prompt, a 32-token prefix hit over 512, a decode batch of 8 at 1,024 tokens) as
-    each fit predicts them."""
-    from sim.cost import StepWork
+    """How far this machine's speed moved between two fits: the largest relative difference of
+    the steps a validated run is made of (decode batches of 1, 4 and 8, a 512-token prompt, a
+    32-token prefix hit over 512) as each fit predicts them."""
+    from sim.cost import Roofline, StepWork
+    from sim.hardware import DeviceProfile
+    from sim.shapes import load_shape
 
-    fits = [_fit(model, p) for p in (before, after)]
+    fits = [Roofline(load_shape(model), DeviceProfile.model_validate(p)) for p in (before, after)]
     steps = [StepWork.of([(1, 300, True)]), StepWork.of([(1, 300, True)] * 4), StepWork.of([(512, 0, True)]),
              StepWork.of([(32, 512, True)]), StepWork.of([(1, 1024, True)] * 8)]
     return max(abs(fits[1].step_s(w) / fits[0].step_s(w) - 1) for w in steps)
 
 
-def calibrate_serving(model: str, url: str, profile: Path, disaggregated: bool = False,
-                      log: Path | None = None) -> dict:
-    """`brigade sim calibrate --serving-only` against a running `brigade serve` of `model`
-    (colocated: --url; disaggregated: --disagg-url): the profile, with the serving path's costs.
-    `log` keeps what it printed (what it measured, before the fit)."""
-    cmd = [sys.executable, "-m", "cluster.cli", "sim", "calibrate", "--preset", model, "--threads", "1",
-           "--disagg-url" if disaggregated else "--url", url, "--serving-only", "--out", str(profile)]
-    start = profile.read_text()  # each try starts from the same profile (it rewrites it)
+def serving_probe(url: str, device: dict, model: str, disaggregated: bool, requests: int = 12) -> dict:
+    """This machine's serving terms on a running serve: one request at a time, a 4-token prompt
+    answered with 1 token (its TTFT less the device's step: the serving latency) and with 33
+    (its time per token less the device's decode step: a served worker's per-sequence cost; on
+    a disaggregated serve, the gap from the first token to the second beyond it: the admission)."""
+    from benchmarks._common import CpuWatch
+    from sim.cost import Roofline, StepWork
+    from sim.hardware import DeviceProfile
+    from sim.shapes import load_shape
 
-    def measure() -> tuple[str, str]:
-        profile.write_text(start)
-        done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
-        if done.returncode != 0:
-            if log is not None:
-                log.write_text(done.stdout + done.stderr)
-            raise RuntimeError(f"brigade sim calibrate --serving-only failed: {done.stderr.strip()[-300:]}")
-        return done.stdout + done.stderr, profile.read_text()
-
-    flag = "--disagg-url" if disaggregated else "--url"
-    (printed, measured), _ = least_stolen(measure, f"the serving path's costs ({flag})")
-    profile.write_text(measured)
-    if log is not None:
-        log.write_text(printed)
-    for line in printed.splitlines():  # a fit it does not trust, said where the run is watched
-        if line.startswith("warning:"):
-            print(f"  {line}", flush=True)
-    return json.loads(measured)
-
-
-def calibrate_here(model: str, num_blocks: int, profile_path: Path, log_dir: Path) -> dict:
-    """This machine's profile as sim_bench fits it: the engine with 1 torch thread, then the
-    serving path's costs on a 1-worker colocated serve (--url: request overhead, streaming CPU)
-    and on a 1P+1D serve (--disagg-url: the decode worker's own, the handoff). A serve that
-    fails leaves its terms out, said so."""
-    print("calibrating this machine (brigade sim calibrate, 1 torch thread)", flush=True)
-    profile = calibrate(model, 1, profile_path)
-    for fleet in (Fleet("1mixed", "colocated", workers_colocated=1), Fleet("1p1d", "disaggregated", 1, 1)):
-        print(f"  the serving path's costs (brigade sim calibrate --serving-only on {fleet.name})", flush=True)
-        try:
-            with serve(fleet, model, num_blocks, log_dir) as url:
-                profile = calibrate_serving(model, url, profile_path, disaggregated=fleet.mode == "disaggregated",
-                                            log=log_dir / f"{fleet.name}.calibrate.out")
-        except (RuntimeError, subprocess.CalledProcessError) as exc:  # the simulation then leaves it out
-            print(f"  serving path not measured on {fleet.name}: {exc}", flush=True)
-    return profile
+    fit = Roofline(load_shape(model), DeviceProfile.model_validate(device))
+    decode_s = fit.step_s(StepWork.of([(1, 20, True)]))
+    firsts, gaps, per_token, stream_cpu = [], [], [], []
+    for i in range(requests):
+        prompt = [7 + (i * 131 + j) % 4000 for j in range(4)]
+        firsts.append(_stream_times(url, prompt, 1)[0] - fit.step_s(StepWork.of([(4, 0, True)])))
+        watch = CpuWatch()
+        times = _stream_times(url, [p + 1 for p in prompt], 33)
+        seen = watch.stop()
+        steady = (times[-1] - times[1]) / (len(times) - 2)
+        per_token.append(steady - decode_s)
+        gaps.append(times[1] - times[0] - steady)
+        # the serve's CPU beyond its engine's steps, per token (the machine's other busy time)
+        others = seen.get("other_cpu_share", 0.0) * seen["wall_s"] * (os.cpu_count() or 1)
+        stream_cpu.append((others - 33 * decode_s) / 33)
+    latency = max(0.0, statistics.median(firsts))
+    token = max(0.0, statistics.median(per_token))
+    out = {"request_overhead_s": latency, "request_overhead_per_token_s": 0.0, "worker_step_overhead_s": 0.0,
+           "stream_cpu_s": max(0.0, statistics.median(stream_cpu))}
+    if disaggregated:
+        return {**out, "handoff_overhead_s": 0.0, "decode_admit_overhead_s": max(0.0, statistics.median(gaps)),
+                "decode_token_overhead_s": token, "decode_worker_step_overhead_s": 0.0}
+    return {**out, "token_overhead_s": token}
 
 
-def fleet_config(fleet: Fleet, model: str, profile: Path, num_blocks: int, policy: str = "kv_aware"):
-    """The simulated twin of `serve(fleet, ...)`: the same engine preset, KV pool, block size
-    and scheduler limits as the real workers, the KV link the real pair uses (gloo over loopback)."""
+def _stream_times(url: str, prompt: list[int], max_tokens: int) -> list[float]:
+    """Seconds from send to each streamed token of one completion (token ids in, greedy)."""
+    import httpx
+
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "temperature": 0.0}
+    start, times = time.perf_counter(), []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:])["choices"][0]["text"]:
+                times.append(time.perf_counter() - start)
+    return times
+
+
+# -- the simulated side ---------------------------------------------------------------------------
+class SharedCores:
+    """A StepHost for one machine's cores shared by every worker's steps and the serving path's
+    CPU: while more jobs run than there are cores, each runs at cores / running (processor
+    sharing). Each step's sampled tokens leave `stream_cpu_s` apiece of work behind it (the
+    door's, the router's, the client's and the actors' share of streaming each token), which
+    nothing waits for but which takes its share of the cores."""
+
+    steady = False  # a step's time depends on what runs beside it
+
+    def __init__(self, cores: float, stream_cpu_s: float = 0.0):
+        self.cores, self.stream_cpu_s = cores, stream_cpu_s
+        self._left: dict[asyncio.Future, float] = {}  # a running step -> its work left, in seconds alone
+        self._at = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+
+    async def step(self, seconds: float, *, prompt: bool, decode: int) -> None:
+        loop = asyncio.get_running_loop()
+        self._advance(loop.time())
+        done = loop.create_future()
+        self._left[done] = seconds
+        self._plan(loop)
+        await done
+        streamed = self.stream_cpu_s * (decode + prompt)
+        if streamed > 0:
+            self._advance(loop.time())
+            self._left[loop.create_future()] = streamed
+            self._plan(loop)
+
+    def _rate(self) -> float:
+        return min(1.0, self.cores / len(self._left)) if self._left else 1.0
+
+    def _advance(self, now: float) -> None:
+        rate = self._rate()
+        for job in self._left:
+            self._left[job] -= (now - self._at) * rate
+        self._at = now
+
+    def _plan(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._left:
+            self._timer = loop.call_at(self._at + max(0.0, min(self._left.values())) / self._rate(), self._tick, loop)
+
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        self._advance(loop.time())
+        for job in [j for j, left in self._left.items() if left <= 1e-12]:
+            del self._left[job]
+            job.set_result(None)
+        self._plan(loop)
+
+
+def served_device(device: dict, serving: dict, disaggregated: bool) -> dict:
+    """The device a served worker of this machine steps as: its per-step and per-sequence
+    overheads with what the worker adds beyond its engine (a disaggregated fleet's decode
+    worker's where measured: it samples nearly every sequence there)."""
+    step = serving.get("decode_worker_step_overhead_s") if disaggregated else None
+    token = serving.get("decode_token_overhead_s") if disaggregated else None
+    step = serving.get("worker_step_overhead_s") or 0.0 if step is None else step
+    token = serving.get("token_overhead_s") or 0.0 if token is None else token
+    return {**device, "step_overhead_s": device["step_overhead_s"] + step,
+            "seq_overhead_s": device["seq_overhead_s"] + token}
+
+
+def with_serving_path(run: dict, serving: dict, disaggregated: bool, slo: dict | None) -> dict:
+    """`run` (sim.fleet.simulate's) with each request's serving latency on its every token, and a
+    disaggregated decode worker's admission on every token after the first; summarized again."""
+    from sim.metrics import summarize
+
+    admit = (serving.get("decode_admit_overhead_s") or 0.0) if disaggregated else 0.0
+    handoff = (serving.get("handoff_overhead_s") or 0.0) if disaggregated else 0.0
+    records, latest = [], 0.0
+    for r in run["records"]:
+        way = (serving.get("request_overhead_s") or 0.0) + handoff + (
+            serving.get("request_overhead_per_token_s") or 0.0) * r.prompt_tokens
+        chunks = [t + way + (admit if i else 0.0) for i, t in enumerate(r.chunk_times_s)]
+        e2e = None if r.e2e_s is None else max([r.e2e_s + way + (admit if len(chunks) > 1 else 0.0), *chunks])
+        rec = replace(r, chunk_times_s=chunks, e2e_s=e2e, ttft_s=chunks[0] if r.ttft_s is not None and chunks else
+                      r.ttft_s)
+        latest = max(latest, r.start_s + (e2e or 0.0))
+        records.append(rec)
+    duration = max(run["duration"], latest)
+    return {**run, **summarize(records, duration, slo), "records": records, "duration": duration}
+
+
+def simulate_twin(fleet: Fleet, model: str, num_blocks: int, device: dict, serving: dict, cores: float,
+                  sessions: list, slo: dict | None) -> dict:
+    """The simulated twin of one measured run: the same fleet, KV pool, block size, scheduler
+    limits and KV link (gloo over loopback) as the real workers, on this machine's model."""
     from engine.config import CacheConfig, SchedulerConfig
     from router.config import RouterConfig
-    from sim.fleet import FleetConfig
+    from sim.fleet import FleetConfig, simulate
 
-    return FleetConfig(model=model, device=str(profile), link="gloo-loopback", block_size=CacheConfig().block_size,
-                       num_blocks=num_blocks, scheduler=SchedulerConfig(), stream_every=1,
-                       router=RouterConfig(policy=policy), **fleet.sim_fields())
-
-
-def simulate_load(fleet: Fleet, load: Load, model: str, profile: Path, num_blocks: int, slo: dict) -> list[dict]:
-    """One simulated run per rate of the load, as bench's runs (summary keys and records)."""
-    from cluster.sim_bridge import from_loadtest
-    from sim.fleet import simulate
-
-    cfg = fleet_config(fleet, model, profile, num_blocks)
-    runs = []
-    for i, rate in enumerate(load.rates):
-        sessions = from_loadtest(load.workload(i), rate, burstiness=load.burstiness)
-        runs.append({**simulate(cfg, sessions, slo or None), "request_rate": rate})
-    return runs
+    disaggregated = fleet.mode == "disaggregated"
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(served_device(device, serving, disaggregated), f)
+    profile = Path(f.name)
+    cfg = FleetConfig(model=model, device=str(profile), link="gloo-loopback", block_size=CacheConfig().block_size,
+                      num_blocks=num_blocks, scheduler=SchedulerConfig(), stream_every=1,
+                      router=RouterConfig(policy="kv_aware"), **fleet.sim_fields())
+    try:
+        run = simulate(cfg, sessions, slo, host=lambda: SharedCores(cores, serving.get("stream_cpu_s") or 0.0))
+    finally:
+        profile.unlink(missing_ok=True)
+    return with_serving_path(run, serving, disaggregated, slo)
 
 
-def errors(measured: dict, simulated: dict) -> dict[str, float | None]:
-    """|simulated - measured| / measured for each validated figure (None where unmeasured)."""
+# -- errors in units of the measured spread ---------------------------------------------------------
+def spread_errors(measured: list[dict], simulated: list[dict]) -> dict[str, dict]:
+    """Per validated figure over a point's tries: the measured mean, its run-to-run standard
+    deviation (at least MIN_SPREAD of the mean) and min-max, the simulated mean, and the error
+    `spreads` = |simulated mean - measured mean| / that deviation (`relative`: over the mean)."""
     out = {}
     for key, field in METRICS.items():
-        m, s = measured.get(field), simulated.get(field)
-        out[key] = abs(s - m) / m if m and s is not None else None
-    return out
-
-
-def step_speed(measured: dict, simulated: dict) -> dict | None:
-    """The served engine steps of a run against its simulation's (bench's "server_steps" and the
-    simulator's, loadtest/server_steps.py), None where the server did not count them. Per kind
-    ("prompt", "decode"): `wall_vs_simulated`, the served steps' wall time over the simulated
-    steps' (the machine's sharing and co-running included on both sides), and `cpu_vs_alone`,
-    the served steps' own CPU time over the same steps alone on the fitted engine: above 1, the
-    machine's cores ran this try's steps slower than the engine fits around it measured,
-    whatever the simulator's model of the serve. Decode steps also by batch (decoding sequences)."""
-    from loadtest.server_steps import mean_step_ms
-
-    served, sim = measured.get("server_steps"), simulated.get("server_steps")
-    if not served or not sim:
-        return None
-    out: dict = {}
-    for kind in ("prompt", "decode"):
-        a, b = mean_step_ms(served, kind), mean_step_ms(sim, kind)
-        if kind == "prompt":  # prompt lengths differ within a batch label: totals only
-            a, b = _pooled(a), _pooled(b)
-        rows = {k: {"steps": a[k]["steps"], "simulated_steps": b[k]["steps"], "served_ms": a[k]["wall_ms"],
-                    "served_cpu_ms": a[k]["cpu_ms"], "simulated_ms": b[k]["wall_ms"], "alone_ms": b[k]["cpu_ms"]}
-                for k in a if k in b}
-        if not rows:
+        m = [r[field] for r in measured if r.get(field) is not None]
+        s = [r[field] for r in simulated if r.get(field) is not None]
+        if len(m) < 2 or not s:
+            out[key] = None
             continue
-        n = {k: r["steps"] for k, r in rows.items()}
-        total = {f: sum(n[k] * r[f] for k, r in rows.items()) for f in ("served_ms", "served_cpu_ms", "simulated_ms",
-                                                                         "alone_ms")}
-        out[kind] = {"wall_vs_simulated": total["served_ms"] / total["simulated_ms"],
-                     "cpu_vs_alone": total["served_cpu_ms"] / total["alone_ms"],
-                     **({"by_batch": rows} if kind == "decode" else {"steps": rows["all"]})}
-    return out or None
-
-
-def try_decode_speed(speeds: list[dict | None]) -> float | None:
-    """How much slower a try's served decode steps computed than its profile's engine fits give
-    them: the median over the try's runs (one per rate) of their step_speed's decode
-    `cpu_vs_alone`; None where the server counted no decode steps."""
-    vals = [s["decode"]["cpu_vs_alone"] for s in speeds if s and "decode" in s]
-    return statistics.median(vals) if vals else None
-
-
-def at_decode_speed(profile: Path, factor: float, out: Path) -> Path:
-    """`profile` with every decode step's engine part `factor` times as long (its decode batch
-    scales multiplied), written to `out`: a try re-simulated at the decode speed its served steps
-    ran at, to tell the misses the machine's speed during the try explains from the model's."""
-    prof = json.loads(profile.read_text())
-    scales = prof.get("decode_batch_scale") or [(1, 1.0)]
-    prof["decode_batch_scale"] = [(b, v * factor) for b, v in scales]
-    out.write_text(json.dumps(prof, indent=1))
+        mean, sim = statistics.fmean(m), statistics.fmean(s)
+        sd = max(statistics.stdev(m), MIN_SPREAD * abs(mean))
+        out[key] = {"measured_mean": mean, "measured_stdev": statistics.stdev(m), "measured_min": min(m),
+                    "measured_max": max(m), "simulated_mean": sim, "spreads": abs(sim - mean) / sd if sd else 0.0,
+                    "relative": abs(sim - mean) / abs(mean) if mean else None, "in_range": min(m) <= sim <= max(m)}
     return out
 
 
-def _pooled(by_batch: dict[str, dict]) -> dict[str, dict]:
-    """mean_step_ms's rows pooled into one row, named "all"."""
-    steps = sum(r["steps"] for r in by_batch.values())
-    if not steps:
-        return {}
-    return {"all": {"steps": steps, **{f: sum(r["steps"] * r[f] for r in by_batch.values()) / steps
-                                       for f in ("wall_ms", "cpu_ms")}}}
+def figures(run: dict) -> dict:
+    return {k: run.get(k) for k in FIGURES}
 
 
 def ttft_samples(run: dict) -> list[float]:

@@ -93,12 +93,7 @@ def run(args, cfg: ClusterConfig) -> int:
             grpc_server.attach(services.backend)
         signals.starting = False
         threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
-        workers = (f"{cfg.decode} mixed" if cfg.mode == "colocated"
-                   else f"{cfg.num_prefill} prefill, {cfg.decode} decode")
-        if cfg.role == "front":
-            workers = f"front over {len(services.cluster.workers)} workers of {cfg.ray_address}"
-        grpc_at = f" and grpc://{grpc_server.address}" if grpc_server is not None else ""
-        print(f"Brigade serving {cfg.model} at {server.url}/v1{grpc_at} ({workers}, {cfg.mode})", flush=True)
+        print(_serving_line(cfg, services, server.url), flush=True)
         from cluster.watchdog import EXIT_FAILED, Watchdog, descendants  # imports ray, as the services did
 
         watchdog = Watchdog(services, local_ray=not cfg.ray_address)
@@ -127,6 +122,17 @@ def run(args, cfg: ClusterConfig) -> int:
             stop_leftovers(leftovers)
         if stopping:
             print("stopped", file=sys.stderr, flush=True)
+
+
+def _serving_line(cfg: ClusterConfig, services: _Services, url: str) -> str:
+    """The line that says the serve is up (what scripts wait for: `Brigade serving ... at URL/v1 `)."""
+    workers = (f"{cfg.decode} mixed" if cfg.mode == "colocated"
+               else f"{cfg.num_prefill} prefill, {cfg.decode} decode")
+    if cfg.role == "front":
+        workers = f"front over {len(services.cluster.workers)} workers of {cfg.ray_address}"
+    grpc = services.grpc_server
+    grpc_at = f" and grpc://{grpc.address}" if grpc is not None else ""
+    return f"Brigade serving {cfg.model} at {url}/v1{grpc_at} ({workers}, {cfg.mode})"
 
 
 def check_files(cfg: ClusterConfig) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 from pathlib import Path
 
 SIM_EPILOG = """\
@@ -34,9 +33,9 @@ queue-time share of TTFT is printed, and the burst (the busiest 10 s window's ra
 the mean rate. When none up to --max-gpus meets it, the closest (most requests meeting the
 SLO, cheapest of equals) is named, and the command exits 1. --headroom 1.2 sizes with a
 margin: each candidate is simulated again with every device cost 1.2x its profile's, and a
-request counts only if it meets the SLO there (room for the simulator's error, which
-sim_bench measures against real runs, a slower machine, and bursts the workload lacks:
-near its capacity a fleet's queues grow far faster than its costs).
+request counts only if it meets the SLO there (room for the simulator's error against real
+runs, docs/SIMULATOR.md, a slower machine, and bursts the workload lacks: near its capacity
+a fleet's queues grow far faster than its costs).
 
 examples:
   brigade plan --model Qwen3-32B --device H200 --slo ttft=2s,tpot=50ms --workload random \\
@@ -104,32 +103,20 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--label")
     sim.set_defaults(run="cluster.sim_cmd", make_config=lambda args: None)
 
-    cal = cmds.add_parser("calibrate", formatter_class=fmt, help="fit a profile of this machine",
+    cal = cmds.add_parser("calibrate", formatter_class=fmt, help="fit a device profile of this machine",
                           description="Time prefill and decode steps of the real engine here (CPU, in the dtype "
                                       "`brigade serve` picks here unless --dtype says) and fit a roofline device "
-                                      "profile: --device FILE.json uses it.",
-                          epilog="example:\n  brigade sim calibrate --preset bench --out this-machine.json\n"
+                                      "profile: --device FILE.json uses it. The profile describes the device's "
+                                      "steps only: what a serving path adds per request (door, router, RPCs) "
+                                      "and what workers sharing one machine's cores cost each other are not "
+                                      "in it (the simulator gives each worker a device of its own).",
+                          epilog="example:\n"
+                                 "  brigade sim calibrate --preset bench --threads 1 --out this-machine.json\n"
                                  "  brigade sim run --model bench --device this-machine.json --workload random")
     cal.add_argument("--preset", default="bench", help="the engine preset to time (default bench)")
     cal.add_argument("--out", default="this-machine.json", help="where the profile goes")
-    cal.add_argument("--threads", type=int, help="torch threads (default: torch's own); with --url/--disagg-url "
-                                                  "also the engine timed here beside each served measurement: give "
-                                                  "what one served worker has")
-    cal.add_argument("--url", help="a running `brigade serve` of the same preset: also measure the serving path's "
-                                    "costs beyond the engine steps (request_overhead_s, token_overhead_s) and, on a "
-                                    "CPU host, the CPU each streamed token costs beside the steps (stream_cpu_s), "
-                                    "what the serve keeps busy idle (background_cores, worker_background_cores), "
-                                    "a served step's slowdown beside another engine (oversubscribed_slowdown) "
-                                    "and what idle costs the next step and request (cold_step_s, cold_request_s)")
-    cal.add_argument("--disagg-url", help="a running disaggregated `brigade serve` of the same preset: measure what "
-                                          "its requests cost beyond --url's (handoff_overhead_s) and, on a CPU "
-                                          "host, how much a prompt step slows beside another worker's "
-                                          "(corun_wait_s and corun_slowdown, from prefix hits of two lengths "
-                                          "alone and beside a stream; corun_wait_per_answer_s, beside three) "
-                                          "and the stream beside them (decode_corun_slowdown), then all of "
-                                          "them refined together on the whole scene (sim/corun_joint.py)")
-    cal.add_argument("--serving-only", action="store_true",
-                     help="keep the engine fit already in --out, measure only the serving path (--url, --disagg-url)")
+    cal.add_argument("--threads", type=int, help="torch threads (default: torch's own): give what one served "
+                                                  "worker has")
     cal.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                      help="the workers' dtype (default auto: bfloat16 where the CPU multiplies it in hardware, "
                           "else float32, as `brigade serve`)")
@@ -144,8 +131,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--headroom", type=float, default=1.0,
                    help="count a request only if it meets the SLO with every device cost this many times the "
                         "profile's (>= 1; default 1: no margin). Size for the simulator's error and the "
-                        "hardware's variation: sim_bench measures both here (docs/SIMULATOR.md), e.g. 1.2 "
-                        "where predictions run up to 20%% low")
+                        "hardware's variation (docs/SIMULATOR.md), e.g. 1.2 where predictions run up to "
+                        "20%% low")
     s.add_argument("--max-gpus", type=int, default=16)
     s.add_argument("--tp-sizes", default="1,2,4,8")
     s.add_argument("--policies", default="kv_aware,round_robin")
@@ -231,126 +218,20 @@ def run(args: argparse.Namespace, _cfg) -> int:
     return 0
 
 
-def _span(span_s: float | None) -> str:
-    return "" if span_s is None else f" for its first {span_s * 1000:.0f} ms"
-
-
-def _idle_costs(profile) -> str:
-    """What idle costs the next step and request (DeviceProfile.cold_step_s, cold_request_s)."""
-    if not profile.cold_step_s and not profile.cold_request_s:
-        return ""
-    ms = lambda table: "/".join(f"{e * 1000:.1f}" for _, e in table) or "0"  # noqa: E731
-    idles = "/".join(f"{i:g}" for i, _ in profile.cold_step_s or profile.cold_request_s)
-    return (f"; after {idles} s idle, an engine step takes {ms(profile.cold_step_s)} ms more and a request's "
-            f"serving path {ms(profile.cold_request_s)} ms more")
-
-
-def _joint(seen: dict) -> str:
-    """The co-run terms' joint refinement, where the scene was measured (a CPU host)."""
-    if "joint_miss_before" not in seen:
-        return ""
-    return (f"; the co-run terms refined together took the scene's miss from {seen['joint_miss_before'] * 1e6:.1f} "
-            f"to {seen['joint_miss_after'] * 1e6:.1f} ms^2")
-
-
-def _spread_ms(quantiles: tuple[float, ...]) -> str:
-    """request_jitter_s's range about the median, in ms."""
-    if not quantiles:
-        return "0"
-    return f"{quantiles[0] * 1000:+.1f} to {quantiles[-1] * 1000:+.1f}"
-
-
-def _warn_stolen(share: float, what: str) -> None:
-    from cluster.steal import STOLEN
-
-    if share > STOLEN:
-        print(f"warning: the hypervisor took {share:.0%} of the CPU time this machine wanted during {what} "
-              "(steal, /proc/stat): its timings are slow by about as much; calibrate again when it is quiet")
-
-
 def _calibrate(args: argparse.Namespace) -> int:
-    from cluster.serving_costs import measure_serving, step_timer
-    from cluster.steal import StealMeter
-    from engine.config import CacheConfig
-    from engine.presets import PRESETS
     from sim.calibrate import fit, measure
-    from sim.hardware import load_device
-    from sim.shapes import ModelShape
 
-    if args.serving_only:
-        if not (args.url or args.disagg_url) or not Path(args.out).exists():
-            raise ValueError("--serving-only needs --url or --disagg-url, and an --out profile from an earlier "
-                             "`brigade sim calibrate`")
-        profile = load_device(args.out)
-    else:
-        import torch
-
-        stolen = StealMeter()
-        shape, samples, dtype_bytes = measure(args.preset, threads=args.threads, dtype=args.dtype)
-        _warn_stolen(stolen.share(), "the engine's steps")
-        # Each simulated step takes one of the host's slots: a core per torch thread of a step.
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        threads = args.threads or torch.get_num_threads()
-        profile, report = fit(shape, samples, dtype_bytes, host_cores=max(1.0, cores / threads))
-        for e in report["samples"]:
-            print(f"{e['kind']:8s} {e['tokens']:5d} tokens after {e['context']:5d}  "
-                  f"measured {e['measured_s'] * 1000:8.2f} ms  "
-                  f"fitted {e['predicted_s'] * 1000:8.2f} ms  ({e['error']:+.1%}; "
-                  f"roofline {e['roofline_s'] / e['measured_s'] - 1:+.1%})")
-        decode_attn = "" if profile.decode_attn_eff is None else f", a decode batch's at {profile.decode_attn_eff:.2f}"
-        decode_attn += f", a fresh prompt's among its own tokens at {profile.prompt_attn_eff:.2f}"
-        print(f"peak {profile.peak_flops / 1e9:.1f} GFLOP/s (attention over cached context at "
-              f"{profile.attn_eff:.2f} of it{decode_attn}), "
-              f"memory {profile.mem_bw / 1e9:.1f} GB/s, "
-              f"step overhead {profile.step_overhead_s * 1000:.2f} ms + {profile.seq_overhead_s * 1000:.2f} ms "
-              f"per sampled sequence; {profile.host_cores:g} steps at once on this host's {cores} cores")
-    shape = ModelShape.from_config(args.preset, PRESETS[args.preset].config)
-    # The engine's own steps, timed beside each served measurement (the machine drifts).
-    timer = step_timer(args.preset, args.dtype, args.threads) if args.url or args.disagg_url else None
-    if args.url:
-        profile, seen = measure_serving(args.url, profile, shape, block_size=CacheConfig().block_size, timer=timer)
-        print(f"serving path: {profile.request_overhead_s * 1000:.1f} ms per request + "
-              f"{profile.request_overhead_per_token_s * 1e6:.1f} us per prompt token, "
-              f"a served worker's step {profile.worker_step_overhead_s * 1000:.2f} ms + "
-              f"{profile.token_overhead_s * 1000:.2f} ms per streamed token beyond the engine's, and "
-              f"{profile.stream_cpu_s * 1000:.2f} ms of CPU beside it per streamed token; with no request in "
-              f"flight the serve keeps {profile.background_cores:.3f} cores busy and each worker "
-              f"{profile.worker_background_cores:.3f} more; a step among more jobs than cores does its work "
-              f"{profile.oversubscribed_slowdown:.2f}x slower{_idle_costs(profile)} ({seen})")
-        _warn_stolen(seen["steal_share"], "the colocated serve's measurement")
-    if args.disagg_url:
-        profile, seen = measure_serving(args.disagg_url, profile, shape, disaggregated=True, timer=timer)
-        print(f"disaggregated: {profile.handoff_overhead_s * 1000:.1f} ms more per request; the decode worker's "
-              f"step {profile.decode_worker_step_overhead_s * 1000:.2f} ms + "
-              f"{profile.decode_token_overhead_s * 1000:.2f} ms per streamed token beyond the engine's, "
-              f"{profile.kv_receive_cpu_per_token_s * 1e6:.1f} us of CPU per KV token it receives, "
-              f"{profile.decode_admit_overhead_s * 1000:.1f} ms before it takes a request in; a prompt "
-              f"step that starts beside another worker's decoding step waits {profile.corun_wait_s * 1000:.1f} ms "
-              f"and {profile.corun_wait_per_answer_s * 1000:.1f} ms more per answer it decodes beyond the first, "
-              f"then gets at most 1/{profile.corun_slowdown:.2f} of a core{_span(profile.corun_span_s)}, and a decode "
-              f"step beside another worker's prompt step at most 1/{profile.decode_corun_slowdown:.2f}; a request's "
-              f"serving path spreads {_spread_ms(profile.request_jitter_s)} ms about its median{_joint(seen)} "
-              f"({seen})")
-        if seen.get("at_bound"):
-            print(f"warning: the co-run fit stopped at a bound (wait {profile.corun_wait_s * 1000:.0f} ms, slowdown "
-                  f"{profile.corun_slowdown:g}): the hits beside streams grew "
-                  f"{seen['measured_growth_short_s'] * 1000:.0f} and {seen['measured_growth_long_s'] * 1000:.0f} ms, "
-                  f"the model {seen['simulated_growth_short_s'] * 1000:.0f} and "
-                  f"{seen['simulated_growth_long_s'] * 1000:.0f} ms (a busy or drifting machine, or more contention "
-                  "than the model gives); the profile's TTFT beside streams will be off")
-        if seen.get("wide_at_bound"):
-            print(f"warning: the co-run wait per answer stopped at its bound "
-                  f"({profile.corun_wait_per_answer_s * 1000:.0f} ms): the hits beside several answers grew more "
-                  "than the model gives (a busy or drifting machine); the profile's TTFT beside several streams "
-                  "will be low")
-        if seen.get("decode_fit_skipped"):
-            print(f"warning: decode_corun_slowdown not fitted ({seen['decode_fit_skipped']}); kept at "
-                  f"{profile.decode_corun_slowdown:g}")
-        if seen.get("decode_at_bound"):
-            print(f"warning: the answer beside the hits slowed {seen['measured_answer_slowdown']:.2f}x, more than "
-                  f"the model gives at its bound ({seen['simulated_answer_slowdown']:.2f}x at a decode slowdown of "
-                  f"{profile.decode_corun_slowdown:g}); the profile's TPOT beside prompts will be low")
-        _warn_stolen(seen["steal_share"], "the disaggregated serve's measurement")
+    shape, samples, dtype_bytes = measure(args.preset, threads=args.threads, dtype=args.dtype)
+    profile, report = fit(shape, samples, dtype_bytes)
+    for e in report["samples"]:
+        print(f"{e['kind']:8s} {e['tokens']:5d} tokens after {e['context']:5d}  "
+              f"measured {e['measured_s'] * 1000:8.2f} ms  fitted {e['predicted_s'] * 1000:8.2f} ms  "
+              f"({e['error']:+.1%})")
+    decode_attn = "" if profile.decode_attn_eff is None else f", a decode batch's at {profile.decode_attn_eff:.2f}"
+    print(f"peak {profile.peak_flops / 1e9:.1f} GFLOP/s (attention over cached context at {profile.attn_eff:.2f} "
+          f"of it{decode_attn}, a fresh prompt's among its own tokens at {profile.prompt_attn_eff:.2f}), "
+          f"memory {profile.mem_bw / 1e9:.1f} GB/s, step overhead {profile.step_overhead_s * 1000:.2f} ms + "
+          f"{profile.seq_overhead_s * 1000:.2f} ms per sampled sequence")
     Path(args.out).write_text(profile.model_dump_json(indent=1))
     print(f"wrote {args.out}")
     return 0

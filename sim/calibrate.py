@@ -1,49 +1,30 @@
-"""`brigade sim calibrate`: a "this machine" device profile fitted from short measured runs of
-the real engine.
+"""`brigade sim calibrate`: a device profile of this machine, fitted from the real engine's steps.
 
-Measured: prefill steps (one prompt of n tokens, compute-bound) and decode steps (b sequences
-of context c) of an engine preset, greedy as `brigade bench` asks (sim/step_timer.py: sampling
-costs about a millisecond a sequence more), each the mean of interleaved rounds, in the dtype
-`brigade serve` would pick here ("auto": bfloat16 where the CPU multiplies it in hardware), so the
-profile describes the workers it predicts. Fitted by least squares, sharing one per-step and
-one per-sampled-sequence overhead (sim/cost.py's roofline with efficiencies 1; prefills after a
-cached prefix tell attention's rate apart), each step on the side of the roofline the fit
-itself puts it:
+Measured (sim/step_timer.py): prefill steps (one prompt of n tokens), prefills after a cached
+prefix (a prefix hit's step) and decode steps (b sequences of context c) of an engine preset,
+greedy as `brigade bench` asks, each the mean of interleaved rounds (so every kind sees the
+same mix of the machine's quiet and busy moments), in the dtype `brigade serve` would pick
+here ("auto": bfloat16 where the CPU multiplies it in hardware). Fitted by least squares on
+sim/cost.py's roofline with efficiencies 1, sharing one per-step and one per-sampled-sequence
+overhead, each step on the side of the roofline the fit itself puts it:
 
     compute-bound: t = matmul flops / peak_flops + attention flops / (peak_flops * attn_eff)
-                       + decode attention flops / (peak_flops * decode_attn_eff) + step + seq * b
+                       + decode attention flops / (peak_flops * decode_attn_eff)
+                       + own attention flops / (peak_flops * prompt_attn_eff) + step + seq * b
     memory-bound:  t = bytes / mem_bw + step + seq * b
 
-Attention here is the pairs against the cached context (sim/cost.py): a fresh prompt's pairs
-among its own tokens run on the dense causal kernel at about the matmuls' rate, while a prefix
-hit's gather their blocks and run masked, at 0.4-0.6 of it on the Zen3 machine here. One rate
-for both misfit a 1,024-token prompt or the hits by up to 20%. A decode batch's run slower still
-(a few query rows per KV head over every sequence's gathered blocks: 0.12-0.16 of the
-matmuls' rate there), so decode batches are timed at a second, long context too and fit their own rate
-(decode_attn_eff): at the hits' rate a batch of 8 at 1,040 tokens came out 36 ms for 45 measured,
-and served decode workers under load ran 20-50% slower than simulated. Every batch at both
-contexts, not only the large ones: with batches 1 and 2 timed at 256 tokens alone, their scales
-(below) came from that context only, and a lone answer's decode steps over a 560-token context
-(every validated answer's) were fitted 0.2 ms slower than at 256 where the engine took 0.7 more
-(bfloat16 on the AVX-512 machine); the served lone answers were simulated 5-10% fast.
+The three attention rates are told apart by the samples: prefills over cached prefixes pin the
+rate over the context (attn_eff), decode batches at two contexts a decode's (decode_attn_eff),
+fresh prompts of three lengths or more a prompt's among its own tokens (prompt_attn_eff).
 
-A decode step does 0.5 flop per weight byte per sequence in float32 (1 in bfloat16), so where
-the machine's flops/byte ridge is low (float32 on a slow AVX2 core: 25 GFLOP/s against 47 GB/s)
-its batches of 2 and more are compute-bound; fitting them as bytes would fold their flops into
-the per-sequence overhead, and the roofline, which adds the compute time, would count them
-twice (a batch of 8 predicted 29% slow). So the fit starts with every decode step memory-bound,
-then refits with each step on the side the fitted roofline puts it until that no longer
-changes. (A CPU engine's decode step grows with the batch far beyond its flops: sampling and
-each sequence's bookkeeping and attention call cost about a millisecond apiece here.)
-
-What the roofline still misses at each decode batch is kept as its decode_batch_scale (the
-measured steps over the roofline's, per batch): a CPU's kernels for a few rows do not scale
-as a roofline does (bfloat16 on the AVX-512 EPYC here: a batch of 2 slower than one of 3), and
-a line through the batches put 1 and 2, a light load's, 9-14% low, and every simulated TPOT
-with them. The profile is what `--device FILE.json` takes; the fit's own residuals (the
-roofline's and with the scale) are in its report.
-The serving path's costs beyond the engine's steps (request_overhead_s and the rest) are
-measured on a running `brigade serve` by cluster/serving_costs.py (`calibrate --url`).
+Where a machine's flops/byte ridge is low (float32 on a slow core), decode batches of 2 and
+more are compute-bound; fitting them as bytes would fold their flops into the per-sequence
+overhead, and the roofline, which adds the compute time, would count them twice. So the fit
+refits with each step on the side the fitted roofline puts it until that no longer changes,
+from two starts (every decode step memory-bound, and every step compute-bound: a decode step's
+bytes and the per-step time trade off, and where the fit settles depends on where it starts),
+and keeps the better. The profile is what `--device FILE.json` takes; the fit's residuals are
+in its report.
 """
 from __future__ import annotations
 
@@ -57,7 +38,7 @@ from sim.hardware import DeviceProfile
 from sim.shapes import ModelShape
 
 # A fit that misses a measured step by more than this explains nothing (steps measured while
-# the machine was busy, or out of order): refused, where sim_bench measures again.
+# the machine was busy, or out of order): refused, to be measured again.
 MAX_MISFIT = 0.5
 
 
@@ -69,9 +50,8 @@ class Sample:
 
 
 def fit(shape: ModelShape, samples: list[Sample], dtype_bytes: int, name: str = "this-machine",
-        mem_bytes: float = 8e9, host_cores: float | None = None) -> tuple[DeviceProfile, dict]:
-    """The profile whose roofline best explains the samples, and each sample's relative error.
-    `host_cores`: how many such steps the machine runs at once (sim/cpu_host.py)."""
+        mem_bytes: float = 8e9) -> tuple[DeviceProfile, dict]:
+    """The profile whose roofline best explains the samples, and each sample's relative error."""
     unit = DeviceProfile(name="unit", peak_flops=1.0, mem_bw=1.0, mem_bytes=1e30, dtype_bytes=dtype_bytes)
     r = Roofline(shape, unit)
     # Attention apart from the matmuls only where enough prefills (of several lengths and
@@ -137,8 +117,7 @@ def fit(shape: ModelShape, samples: list[Sample], dtype_bytes: int, name: str = 
         return DeviceProfile(name=name, peak_flops=1 / inv_flops, mem_bw=1 / inv_bw, mem_bytes=mem_bytes,
                              attn_eff=attn_eff, decode_attn_eff=decode_attn_eff, prompt_attn_eff=prompt_attn_eff,
                              step_overhead_s=float(coef.get(4, 0.0)), seq_overhead_s=float(coef.get(5, 0.0)),
-                             dtype_bytes=dtype_bytes, intra_link="gloo-loopback", inter_link="gloo-loopback",
-                             host_cores=host_cores)
+                             dtype_bytes=dtype_bytes, intra_link="gloo-loopback", inter_link="gloo-loopback")
 
     def settle(bound: list[bool]) -> DeviceProfile:
         for _ in range(8):  # a side that flips moves the fit a little; it settles in two or three
@@ -154,10 +133,8 @@ def fit(shape: ModelShape, samples: list[Sample], dtype_bytes: int, name: str = 
         return sum((r.step_s(s.work) / s.seconds - 1) ** 2 for s in samples)
 
     # Decode steps read nearly the same bytes at every batch, so their bytes and the per-step
-    # time trade off, and where the fit settles depends on where it starts: from every decode
-    # step memory-bound it once settled on no per-step time and a bandwidth a tenth of the
-    # other's, misfitting the prefills by 20% (measured steps of the Zen3 machine here; a unit
-    # test keeps them). Both starts, and the better fit.
+    # time trade off, and where the fit settles depends on where it starts (a unit test keeps
+    # measured steps that settle badly from one start). Both starts, and the better fit.
     settled, refused = [], None
     for start in ([s.kind == "prefill" for s in samples], [True] * len(samples)):
         try:
@@ -167,25 +144,16 @@ def fit(shape: ModelShape, samples: list[Sample], dtype_bytes: int, name: str = 
     if not settled:
         raise refused
     profile = min(settled, key=misfit)
-    roofline = Roofline(shape, profile)
-    # What the roofline misses at each decode batch (few-row kernels), the geometric mean of
-    # that batch's steps at every context.
-    ratios: dict[int, list[float]] = {}
-    for s in samples:
-        if s.kind == "decode":
-            ratios.setdefault(s.work.tokens, []).append(s.seconds / roofline.step_s(s.work))
-    profile = profile.model_copy(update={"decode_batch_scale": tuple(
-        (b, float(statistics.geometric_mean(v))) for b, v in sorted(ratios.items()))})
     fitted = Roofline(shape, profile)
     errors = [{"kind": s.kind, "tokens": s.work.tokens, "context": s.work.kv_tokens - s.work.tokens,
-               "measured_s": s.seconds, "roofline_s": roofline.step_s(s.work),
-               "predicted_s": fitted.step_s(s.work), "error": fitted.step_s(s.work) / s.seconds - 1}
+               "measured_s": s.seconds, "predicted_s": fitted.step_s(s.work),
+               "error": fitted.step_s(s.work) / s.seconds - 1}
               for s in samples]
-    worst = max(abs(e["roofline_s"] / e["measured_s"] - 1) for e in errors)  # a scale hides no misfit
+    worst = max(abs(e["error"]) for e in errors)
     if worst > MAX_MISFIT:
         raise ValueError(f"the measured steps do not fit a roofline (a step off by {worst:.0%}: noisy machine?); "
                          "run calibrate again")
-    return profile, {"samples": errors, "max_abs_error": max(abs(e["error"]) for e in errors)}
+    return profile, {"samples": errors, "max_abs_error": worst}
 
 
 def measure(preset: str = "bench", prefill_lens: tuple[int, ...] = (64, 256, 512, 1024),

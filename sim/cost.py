@@ -10,11 +10,7 @@ A step computes `tokens` new tokens over sequences with given contexts. Per TP r
           + KV read (context + new tokens of every sequence) + KV written (new tokens)
     step_s = max(compute / compute_eff, bytes / (mem_bw * bw_eff))
            + 2 * layers all-reduces of tokens * hidden (TP > 1) + step_overhead_s
-           + worker_step_overhead_s (a served worker's loop and actor per step; calibrated)
-           + (seq_overhead_s + token_overhead_s) * sampled (the engine's per-sequence cost and a
-             served worker's per streamed chunk; both calibrated)
-    and a decode step's engine part (all but the served worker's) times the device's
-    decode_scale at its batch (a CPU's few-row kernels; calibrated)
+           + seq_overhead_s * sampled (sampling and each sequence's bookkeeping)
 
 A prefill chunk of a few thousand tokens is compute-bound; a decode step of one token per
 sequence reads every weight and the whole KV for little arithmetic, so on a GPU it is
@@ -119,19 +115,10 @@ class Roofline:
             return 0.0
         d = self.device
         t = max(self.compute_s(w), self.memory_s(w)) + d.step_overhead_s + d.seq_overhead_s * w.sampled
-        if w.tokens == w.sampled and w.ctx_pairs == w.dec_pairs:  # every sequence adds one token: a decode
-            t *= d.decode_scale(w.tokens)
-        t += self.serving_s(w)
         if self.tp > 1:  # two ring all-reduces of the activations per layer
             size = w.tokens * self.shape.hidden * d.dtype_bytes * 2 * (self.tp - 1) / self.tp
             t += 2 * self.shape.layers * self.tp_link.transfer_s(size)
         return t
-
-    def serving_s(self, w: StepWork) -> float:
-        """Of step_s, the served worker's part (its loop, the actor, each streamed chunk's way
-        out), not the engine's: a served step's own timing holds none of it (engine/step_log.py)."""
-        d = self.device
-        return d.worker_step_overhead_s + d.token_overhead_s * w.sampled if w.tokens else 0.0
 
     def decode_steps_s(self, batch: int, context: int, steps: int) -> list[float]:
         """step_s of `steps` consecutive decode steps (each adds a token to every sequence).

@@ -32,9 +32,6 @@ class StepCost(Protocol):
     def step_s(self, work: StepWork) -> float:
         """Seconds one step of this work takes."""
 
-    def serving_s(self, work: StepWork) -> float:
-        """Of step_s, the served worker's part beyond its engine's step."""
-
     def decode_steps_s(self, batch: int, context: int, steps: int) -> list[float]:
         """Seconds of each of `steps` decode steps of `batch` sequences whose contexts sum to
         `context` at the first (each step adds one token to every sequence)."""
@@ -54,10 +51,8 @@ class SimEngine:
         self.reservations: dict[str, list[int]] = {}  # decode role: blocks held for a KV on its way
         self._arrivals = itertools.count()
         # The served engine's record of its steps (engine/step_log.py): wall = the step on the
-        # virtual clock (what sharing a host's cores made of it), CPU = the cost model's engine
-        # step alone (not the served worker's part of it: the served engine's CPU holds none).
+        # virtual clock (what its host made of it), CPU = the cost model's step alone.
         self.step_log = StepLog()
-        self.planned_serving_s = 0.0  # of the last planned step's time, the served worker's part
 
     def attach_host(self, capacity_blocks: int, block_bytes: int, link: LinkProfile, disk_blocks: int = 0,
                     disk_link: LinkProfile | None = None) -> None:
@@ -127,7 +122,6 @@ class SimEngine:
             return batch, 0.0
         work = StepWork.of((s.num_new_tokens, s.seq.num_computed, s.samples) for s in batch)
         self._loads_s = self.host.take_pending_s() if self.host is not None else 0.0  # blocks brought back
-        self.planned_serving_s = self.cost.serving_s(work)
         return batch, self.cost.step_s(work) + self._loads_s
 
     def steady_steps(self, batch: list[ScheduledSeq], cap: int) -> list[float]:

@@ -3,7 +3,6 @@ through it on the virtual clock, reported in `brigade bench`'s result format."""
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,13 +18,12 @@ from router.errors import NoWorker, Overloaded
 from router.router import Router
 from sim.clock import run_virtual
 from sim.cost import Roofline
-from sim.cpu_host import CpuHost
 from sim.engine import OUT_TOKEN, SimEngine
 from sim.hardware import load_device, load_link
 from sim.index import MemoryIndex, MemoryIndexView
 from sim.metrics import SimRecord, summarize
 from sim.shapes import load_shape
-from sim.worker import Network, SimWorker
+from sim.worker import Network, SimWorker, StepHost
 
 
 class FleetConfig(BaseModel):
@@ -52,7 +50,7 @@ class FleetConfig(BaseModel):
                                         max_waiting_tokens=10**12)
     stream_every: int = Field(16, ge=1)  # tokens per stream chunk (ITL is measured per chunk)
     publish_delay_s: float = Field(0.05, ge=0)  # cache events reach the index this much later
-    seed: int = 0  # the random policy's draws and the requests' serving-path jitter (the device's)
+    seed: int = 0  # the random policy's draws
     failures: tuple[tuple[str, float], ...] = ()  # (worker id, virtual second): the worker dies then
 
     @model_validator(mode="after")
@@ -83,9 +81,10 @@ class SimSession:
 
 
 class Fleet:
-    """The router and its simulated workers (built inside a running VirtualLoop)."""
+    """The router and its simulated workers (built inside a running VirtualLoop). `host`, called
+    once, gives the StepHost every worker's steps run on (None: each worker a device of its own)."""
 
-    def __init__(self, cfg: FleetConfig):
+    def __init__(self, cfg: FleetConfig, host: Callable[[], StepHost] | None = None):
         self.cfg = cfg
         self.shape, self.device = load_shape(cfg.model), load_device(cfg.device).slowed(cfg.slowdown)
         self.link = load_link(cfg.link or self.device.inter_link)
@@ -96,30 +95,11 @@ class Fleet:
         # The Picker draws the `random` policy from its own unseeded Random: seed it, so a
         # simulated run is the same every time (the router has no seed setting of its own).
         self.router.picker._rng.seed(cfg.seed)
-        self._jitter = random.Random(cfg.seed)
+        self.host = host() if host is not None else None
         self.workers: list[SimWorker] = []
-        # A CPU machine's profile: one host's cores under every worker and the serving path. The
-        # co-run waits are a disaggregated fleet's (a hit's way through a decode worker busy with
-        # its steps); the ceiling, the threads each streamed token wakes, is every fleet's
-        # (sim/cpu_host.py).
-        d = self.device
-        waits = {"corun_wait_s": d.corun_wait_s, "corun_wait_per_answer_s": d.corun_wait_per_answer_s}
-        # Each rank of a worker is a process of its own, polling as a worker does.
-        ranks = (cfg.prefill + cfg.decode) * cfg.prefill_tp if cfg.mode == "colocated" else (
-            cfg.prefill * cfg.prefill_tp + cfg.decode * cfg.decode_tp)
-        self.cpu = CpuHost(d.host_cores, corun_slowdown=d.corun_slowdown, corun_span_s=d.corun_span_s,
-                           decode_corun_slowdown=d.decode_corun_slowdown,
-                           background=d.background_cores + d.worker_background_cores * ranks,
-                           oversubscribed_slowdown=d.oversubscribed_slowdown,
-                           **(waits if cfg.mode == "disaggregated" else {})) if d.host_cores else None
 
     def _worker(self, worker_id: str, role: str, tp: int) -> SimWorker:
-        device = self.device
-        if role == "decode":  # a disaggregated decode worker's own serving costs, where measured
-            own = {"worker_step_overhead_s": device.decode_worker_step_overhead_s,
-                   "token_overhead_s": device.decode_token_overhead_s}
-            device = device.model_copy(update={k: v for k, v in own.items() if v is not None})
-        cost = Roofline(self.shape, device, tp, load_link(device.intra_link) if tp > 1 else None)
+        cost = Roofline(self.shape, self.device, tp, load_link(self.device.intra_link) if tp > 1 else None)
         blocks = self.cfg.num_blocks or max(2, cost.kv_capacity_tokens(self.cfg.memory_fraction) // self.cfg.block_size)
         # A decode worker's own prefix cache changes none of its decisions (its blocks come with
         # the request, and cached blocks count as free): off, which spares hashing every prompt again.
@@ -132,17 +112,7 @@ class Fleet:
         return SimWorker(worker_id, role, engine, self.network, self.link, self.shape.name,
                          cost.kv_bytes(1), index=self.index if role != "decode" else None,
                          publish_delay_s=self.cfg.publish_delay_s, stream_every=self.cfg.stream_every,
-                         tp_size=tp, cpu=self.cpu,
-                         kv_receive_cpu_per_token_s=device.kv_receive_cpu_per_token_s if role == "decode" else 0.0,
-                         admit_overhead_s=device.decode_admit_overhead_s if role == "decode" else 0.0,
-                         cold_step=device.cold_step if device.cold_step_s else None,
-                         ).start()
-
-    def request_overhead_s(self, prompt_tokens: int) -> float:
-        """The serving path's cost per request on this fleet, outside the engine (the profile's)."""
-        d = self.device
-        handoff = d.handoff_overhead_s if self.cfg.mode == "disaggregated" else 0.0
-        return d.request_overhead_s + d.request_overhead_per_token_s * prompt_tokens + handoff
+                         tp_size=tp, host=self.host).start()
 
     async def start(self) -> None:
         c = self.cfg
@@ -156,42 +126,7 @@ class Fleet:
             self.workers.append(w)
             await self.router.add_worker(w)
 
-    def serving_path(self, prompt_tokens: int) -> ServingPath:
-        """A request's serving path, sent now: on a CPU host whose cores idled, slower by the
-        profile's cold_request (the door's, the router's and the actors' working sets evicted)."""
-        overhead = self.request_overhead_s(prompt_tokens)
-        if self.cpu is not None and self.device.cold_request_s:
-            overhead += self.device.cold_request(self.cpu.idle_s(asyncio.get_running_loop().time()))
-        return ServingPath(overhead, self.device.stream_cpu_s, self.cpu,
-                           self.device.jitter_s(self._jitter.random()))
-
-
-@dataclass(frozen=True)
-class ServingPath:
-    """What a request costs outside the engine's steps: `overhead_s` once (half on the way in,
-    before the router sees it, half on its first chunk's way back) and `stream_cpu_s` per
-    streamed token. On a CPU host both are work on its shared cores, so they stretch when
-    the workers keep the cores busy and slow the workers' steps in turn; without a host the
-    overhead is a fixed delay and the streaming free. `jitter_s`, this request's draw of the
-    device's request_jitter_s, lengthens its way in as a wait off the cores (a wake-up, a queue),
-    or, below the median, shortens the overhead's work there."""
-
-    overhead_s: float = 0.0
-    stream_cpu_s: float = 0.0
-    cpu: CpuHost | None = None
-    jitter_s: float = 0.0
-
-    async def take(self, seconds: float) -> None:
-        if seconds > 0:
-            await (self.cpu.run(seconds) if self.cpu is not None else asyncio.sleep(seconds))
-
-    def streamed(self, tokens: int) -> None:
-        if self.cpu is not None:
-            self.cpu.spend(self.stream_cpu_s * tokens)
-
-
-async def _session(router: Router, session: SimSession, t0: float,
-                   path: Callable[[int], ServingPath]) -> list[SimRecord]:
+async def _session(router: Router, session: SimSession, t0: float) -> list[SimRecord]:
     history: list[int] = list(session.system) if session.system is not None else []
     records = []
     for k, (part, output_len) in enumerate(session.turns):
@@ -201,7 +136,7 @@ async def _session(router: Router, session: SimSession, t0: float,
         rid = f"{session.session_id}-t{k}" if len(session.turns) > 1 else session.session_id
         params = SamplingParams(max_tokens=output_len, ignore_eos=True)
         rec = await _request(router, GenerateRequest(rid, history, params, session.cache_salt), session.session_id,
-                             k, t0, path(len(history)))
+                             k, t0)
         records.append(rec)
         if not rec.ok:
             break  # the next turn would need this answer
@@ -209,26 +144,15 @@ async def _session(router: Router, session: SimSession, t0: float,
     return records
 
 
-async def _request(router: Router, req: GenerateRequest, session_id: str, turn: int, t0: float,
-                   path: ServingPath = ServingPath()) -> SimRecord:
-    """One request through the router, its serving path's costs (Fleet.serving_path) around it."""
+async def _request(router: Router, req: GenerateRequest, session_id: str, turn: int, t0: float) -> SimRecord:
+    """One request through the router, timed client-side on the virtual clock."""
     loop = asyncio.get_running_loop()
     sent = loop.time()
     rec = SimRecord(req.request_id, session_id, turn, start_s=sent - t0, prompt_tokens=len(req.prompt_token_ids))
-    back_s = path.overhead_s / 2
-    first: asyncio.Task | None = None  # the first chunk's way back (on a host, its length varies)
     try:
-        await path.take(path.overhead_s - back_s + min(0.0, path.jitter_s))
-        if path.jitter_s > 0:
-            await asyncio.sleep(path.jitter_s)
         async for chunk in router.generate(req):
             if chunk.token_ids:
-                path.streamed(len(chunk.token_ids))
-                if first is None:
-                    first = loop.create_task(path.take(back_s))
-                    first.add_done_callback(lambda _: rec.chunk_times_s.insert(0, loop.time() - sent))
-                else:
-                    rec.chunk_times_s.append(loop.time() + back_s - sent)
+                rec.chunk_times_s.append(loop.time() - sent)
                 rec.chunk_tokens.append(len(chunk.token_ids))
             if chunk.usage is not None:
                 rec.output_tokens, rec.cached_tokens = chunk.usage.completion_tokens, chunk.usage.cached_tokens
@@ -238,21 +162,17 @@ async def _request(router: Router, req: GenerateRequest, session_id: str, turn: 
         rec.error_kind, rec.error = "http_429", str(exc)
     except NoWorker as exc:
         rec.error_kind, rec.error = "http_503", str(exc)
-    ended = loop.time() + back_s - sent
-    if first is not None:
-        await first
-        # The later chunks left behind the first one: none reaches the client before it.
-        rec.chunk_times_s = [max(rec.chunk_times_s[0], t) for t in rec.chunk_times_s]
-    rec.e2e_s = max([ended, *rec.chunk_times_s])
+    rec.e2e_s = loop.time() - sent
     if rec.ok:
         rec.output_tokens = rec.output_tokens or sum(rec.chunk_tokens)
         rec.ttft_s = rec.chunk_times_s[0] if rec.chunk_times_s else None
     return rec
 
 
-async def _run(cfg: FleetConfig, sessions: list[SimSession]) -> tuple[list[SimRecord], dict]:
+async def _run(cfg: FleetConfig, sessions: list[SimSession],
+               host: Callable[[], StepHost] | None) -> tuple[list[SimRecord], dict]:
     loop = asyncio.get_running_loop()
-    fleet = Fleet(cfg)
+    fleet = Fleet(cfg, host)
     await fleet.start()
     t0 = loop.time()
     for worker_id, at_s in cfg.failures:
@@ -262,7 +182,7 @@ async def _run(cfg: FleetConfig, sessions: list[SimSession]) -> tuple[list[SimRe
     tasks = []
     for s in sorted(sessions, key=lambda s: s.arrival_s):  # each session's task starts when it arrives
         await asyncio.sleep(max(0.0, t0 + s.arrival_s - loop.time()))
-        tasks.append(loop.create_task(_session(fleet.router, s, t0, fleet.serving_path)))
+        tasks.append(loop.create_task(_session(fleet.router, s, t0)))
     records = [r for done in await asyncio.gather(*tasks) for r in done]
     duration = loop.time() - t0
     net = fleet.network
@@ -275,11 +195,13 @@ async def _run(cfg: FleetConfig, sessions: list[SimSession]) -> tuple[list[SimRe
     return list(records), extra
 
 
-def simulate(cfg: FleetConfig, sessions: list[SimSession], slo: dict[str, float] | None = None) -> dict:
+def simulate(cfg: FleetConfig, sessions: list[SimSession], slo: dict[str, float] | None = None,
+             host: Callable[[], StepHost] | None = None) -> dict:
     """One simulated run: its records (time-ordered), the summary (brigade bench's keys), and
-    the simulator's own figures under "sim" (cluster/sim_bridge.py writes it as a bench result)."""
+    the simulator's own figures under "sim" (cluster/sim_bridge.py writes it as a bench result).
+    `host`: what the workers' steps run on (Fleet); None, each worker on a device of its own."""
     wall = time.perf_counter()
-    records, extra = run_virtual(_run(cfg, sessions))
+    records, extra = run_virtual(_run(cfg, sessions, host))
     wall = time.perf_counter() - wall
     records.sort(key=lambda r: r.start_s)
     ttft = {r.request_id: r.ttft_s for r in records if r.ok and r.ttft_s}

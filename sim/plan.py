@@ -9,12 +9,10 @@ planner that ignores queueing cannot see.
 
 A headroom above 1 sizes with a margin: each candidate is simulated again on the device
 with every cost that many times its profile's, and a request counts only if it meets the SLO
-there. Near its capacity a fleet's queues grow much faster than its steps: one colocated
-worker on sim_bench's bursty load here met the SLO with every request at two calibrations'
-speed and with 58% and 79% at 1.2x their costs, and measured runs of it met it with 20-95%
-(this machine's speed drifts by 15-30% within minutes). A margin on the costs finds the fleet that
-a slower moment, a prediction 20% low or a burst the workload did not show tips over;
-dividing the SLO by the same factor did not (that fleet stayed inside 1.5 s / 1.3).
+there. Near its capacity a fleet's queues grow much faster than its steps, so a margin on the
+costs finds the fleet that a slower moment, a prediction 20% low or a burst the workload did
+not show tips over; dividing the SLO by the same factor does not (a queue's cliff is not a
+latency's margin).
 """
 from __future__ import annotations
 

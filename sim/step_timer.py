@@ -1,24 +1,18 @@
 """Times the real engine's steps on this machine, now: a fresh prompt, a prompt after a cached
-prefix (a prefix hit's step), a decode batch. `brigade sim calibrate` fits its profile from
-these (sim/calibrate.py), and the serving path's calibration times the same steps in-process
-just before each served measurement, so what a served worker adds beyond the engine is
-measured against the engine at the same moment (this machine's speed drifts by tens of
-percent within minutes, and a fit taken earlier put the whole drift into the serving terms).
+prefix (a prefix hit's step), a decode batch. `brigade sim calibrate` fits its device profile
+from these (sim/calibrate.py).
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from itertools import count
 
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
 
-# Greedy, as `brigade bench` asks by default (and sim_bench's served runs): sampling at a
-# temperature draws from the whole vocabulary for every sequence of every step, about 1.1 ms a
-# sequence more on the Zen3 machine here (a decode batch of 32: 181-191 ms greedy, 215-234 sampled),
-# and a fit on sampled steps put that into every simulated greedy step.
+# Greedy, as `brigade bench` asks by default: sampling at a temperature draws from the whole
+# vocabulary for every sequence of every step (about a millisecond a sequence more on a 2-core
+# CPU), and a fit on sampled steps would put that into every simulated greedy step.
 TEMPERATURE = 0.0
 
 
@@ -103,51 +97,3 @@ class StepTimer:
                 raise RuntimeError(f"the decode batch of {batch} ran out of its {self.decode_budget} steps")
             times.append(self._timed(engine))
         return times
-
-
-def _keep_stepping(preset: str, dtype: str, context: int, busy, ready, stop) -> None:
-    """EngineBeside's process: one decode sequence, stepped while `busy` is set, until `stop`
-    (a fresh sequence when one runs out of its budget)."""
-    timer = StepTimer(preset, dtype, context=context, threads=1)
-    timer.decode(1, 1)
-    ready.set()
-    while not stop.is_set():
-        if busy.wait(0.05):
-            try:
-                timer.decode(1, 1)
-            except RuntimeError:  # its sequence's steps are spent
-                timer = StepTimer(preset, dtype, context=context, threads=1)
-
-
-class EngineBeside:
-    """An engine stepping one decode sequence (one torch thread) in a process of its own while
-    `stepping()` holds: what another worker's decode steps put beside a served worker's, for
-    calibrate --url's oversubscribed_slowdown. The process is spawned, which imports the calling
-    program's main module again: a script must keep its work under `if __name__ == "__main__"`."""
-
-    def __init__(self, preset: str, dtype: str = "auto", context: int = 32, start_timeout_s: float = 120.0):
-        import multiprocessing
-
-        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch state forked
-        self._busy, self._stop, ready = ctx.Event(), ctx.Event(), ctx.Event()
-        self._proc = ctx.Process(target=_keep_stepping, args=(preset, dtype, context, self._busy, ready, self._stop),
-                                 daemon=True)
-        self._proc.start()
-        if not ready.wait(start_timeout_s):
-            self.close()
-            raise RuntimeError(f"the engine beside did not start within {start_timeout_s:g} s")
-
-    @contextmanager
-    def stepping(self) -> Iterator[None]:
-        self._busy.set()
-        try:
-            yield
-        finally:
-            self._busy.clear()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._proc.join(10)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join()

@@ -1,17 +1,14 @@
 """A simulated worker behind the router's `WorkerClient` seam (router/workers.py).
 
 Each worker runs its SimEngine in a loop on the virtual clock: plan a step (the real
-scheduler), sleep the step's cost (on a CPU machine, run it on the cores it shares:
-sim/cpu_host.py), finish it, wake whoever waits on its sequences. A reservation waits for the
-step in flight, as the real decode worker's does. Its cache
-events reach the in-memory index `publish_delay_s` later (the real publisher batches them).
-A decode worker pulls a request's KV from its prefill worker over the configured link
-(after the profile's `decode_admit_overhead_s`, the calls that start the pull, work on a CPU
-host's cores; then bytes / bandwidth + latency; on a CPU host, then the CPU its pull thread
-spends per KV token taking it in), then admits it into the blocks it reserved. `kill()` makes a
-worker die as a Ray actor does: its calls raise WorkerLost and the router migrates the
-requests (a KV pull from a dead prefill worker migrates too, where a real decode worker would
-recompute the prompt itself).
+scheduler), run it on its host (`StepHost`: by default a device of its own, where a step
+takes its modelled time), finish it, wake whoever waits on its sequences. A reservation waits
+for the step in flight, as the real decode worker's does. Its cache events reach the in-memory
+index `publish_delay_s` later (the real publisher batches them). A decode worker pulls a
+request's KV from its prefill worker over the configured link (bytes / bandwidth + latency),
+then admits it into the blocks it reserved. `kill()` makes a worker die as a Ray actor does:
+its calls raise WorkerLost and the router migrates the requests (a KV pull from a dead prefill
+worker migrates too, where a real decode worker would recompute the prompt itself).
 
 `Network` is what connects simulated workers: it knows them by id, so a prefill worker's
 `connect` and a decode worker's pull find each other, and it records when each request was
@@ -21,17 +18,37 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.messages import Aborted, Chunk, GenerateRequest, PrefillResult, Timing, WorkerHealth
 from engine.outputs import Usage
 from engine.sequence import Sequence, SequenceStatus
 from router.errors import WorkerLost
-from sim.cpu_host import CpuHost
 from sim.engine import OUT_TOKEN, SimEngine
 from sim.hardware import LinkProfile
 from sim.index import MemoryIndex
+
+
+class StepHost(Protocol):
+    """Where a worker's steps run. `steady`: a step's time is its own, so a steady decode batch
+    may be advanced several steps at once (a host whose steps slow each other says False)."""
+
+    steady: bool
+
+    async def step(self, seconds: float, *, prompt: bool, decode: int) -> None:
+        """Run one step of `seconds` modelled time (computing prompt tokens or not, with
+        `decode` sequences decoding); return when it is done on the virtual clock."""
+
+
+class DedicatedDevice:
+    """Each worker on devices of its own: a step takes its modelled time."""
+
+    steady = True
+
+    async def step(self, seconds: float, *, prompt: bool, decode: int) -> None:
+        await asyncio.sleep(seconds)
 
 
 @dataclass
@@ -52,18 +69,13 @@ class _Stream:
 class SimWorker:
     def __init__(self, worker_id: str, role: str, engine: SimEngine, network: Network, link: LinkProfile,
                  model_id: str, kv_bytes_per_token: int, index: MemoryIndex | None = None,
-                 publish_delay_s: float = 0.05, stream_every: int = 16, tp_size: int = 1, cpu: CpuHost | None = None,
-                 kv_receive_cpu_per_token_s: float = 0.0, admit_overhead_s: float = 0.0,
-                 cold_step: Callable[[float], float] | None = None):
+                 publish_delay_s: float = 0.05, stream_every: int = 16, tp_size: int = 1,
+                 host: StepHost | None = None):
         self.worker_id, self.role, self.engine, self.network, self.link = worker_id, role, engine, network, link
         self.model_id, self.kv_bytes_per_token = model_id, kv_bytes_per_token
         self.index, self.publish_delay_s = index, publish_delay_s
-        self.stream_every, self.tp_size, self.cpu = max(1, stream_every), tp_size, cpu
-        self.kv_receive_cpu_per_token_s = kv_receive_cpu_per_token_s  # a decode worker's, on `cpu`
-        self.admit_overhead_s = admit_overhead_s  # a decode worker's, before each pull
-        # On a CPU host, a step's extra seconds after its worker idled so long (DeviceProfile.cold_step)
-        self.cold_step = cold_step
-        self._stepped_at = float("-inf")  # when its last step ended
+        self.stream_every, self.tp_size = max(1, stream_every), tp_size
+        self.host = host if host is not None else DedicatedDevice()
         self.busy_s = 0.0
         self.steps = 0
         self.transferred_bytes = 0
@@ -93,29 +105,17 @@ class SimWorker:
             for s in batch:
                 self.network.scheduled_at.setdefault(s.seq.request_id, now)
             self._between.clear()
-            # On a shared CPU host every step's length depends on what else runs beside it,
-            # so steps go one at a time there; a device of its own repeats a steady batch.
-            steady = self.engine.steady_steps(batch, self.stream_every) if self.cpu is None else []
-            prompt = [s.seq.num_computed < s.seq.num_prompt_tokens for s in batch]
+            steady = self.engine.steady_steps(batch, self.stream_every) if self.host.steady else []
+            prompt = sum(s.seq.num_computed < s.seq.num_prompt_tokens for s in batch)
             if steady:
                 repeats = await self._steady(steady)
-                took = alone = sum(steady[:repeats])  # a device of its own: each step as planned
+                took = alone = sum(steady[:repeats])
             else:
                 repeats = 1
-                if self.cpu is not None:
-                    if self.cold_step is not None:  # its weights, evicted while it idled, read again
-                        seconds += self.cold_step(now - self._stepped_at)
-                    await self.cpu.run(seconds, step=True, prompt=any(prompt), decode=len(batch) - sum(prompt),
-                                       receiving=self.role == "decode")
-                else:
-                    await asyncio.sleep(seconds)
+                await self.host.step(seconds, prompt=prompt > 0, decode=len(batch) - prompt)
                 took, alone = loop.time() - now, seconds
-                self._stepped_at = loop.time()
                 self.busy_s += took
-            # The engine's own step alone, as a served step times itself (a steady batch's repeats
-            # sample the same sequences).
-            alone -= self.engine.planned_serving_s * repeats
-            self.engine.step_log.record(any(prompt), len(batch) - sum(prompt), took, alone, repeats)
+            self.engine.step_log.record(prompt > 0, len(batch) - prompt, took, alone, repeats)
             self.steps += repeats
             for seq in self.engine.finish(batch, repeats):
                 self._progress(seq)
@@ -223,17 +223,8 @@ class SimWorker:
             if first is None:
                 seq = self.engine.add(req)
             else:
-                if self.admit_overhead_s:  # the calls that take the request in and start the pull
-                    # On a CPU host they are work on its cores, stretched when the steps keep them busy
-                    # (sim/cpu_host.py); on a device's host, a latency.
-                    await (self.cpu.run(self.admit_overhead_s) if self.cpu is not None
-                           else asyncio.sleep(self.admit_overhead_s))
-                    self._check()
                 start = asyncio.get_running_loop().time()
                 nbytes = await self.network.workers[prefill.worker_id].send_kv(rid)
-                if self.cpu is not None and self.kv_receive_cpu_per_token_s and nbytes:
-                    # Its pull thread takes the KV in on the host's cores (not the engine's loop).
-                    await self.cpu.run(self.kv_receive_cpu_per_token_s * nbytes / self.kv_bytes_per_token)
                 timing = Timing(transfer_s=asyncio.get_running_loop().time() - start, transfer_bytes=nbytes)
                 if rid not in self.engine.reservations:  # aborted while the KV was on its way
                     yield Chunk(rid, [], "", True, "abort")

@@ -46,7 +46,7 @@ CASES = [
     Case("logprobs over the cap", lambda m: {"prompt": "hi", "logprobs": MAX_LOGPROBS + 1}, "logprobs"),
     Case("too many stop strings", lambda m: {"prompt": "hi", "stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]},
          "stop"),
-    # Issue 17: values that once overflowed a tensor in the sampler and killed the engine, or
+    # Values that once overflowed a tensor in the sampler and killed the engine, or
     # that would make one request's step work grow without bound.
     Case("top_k past int64", lambda m: {"prompt": "hi", "max_tokens": 4, "top_k": 2**63, "top_p": 0.5}, "top_k",
          ("http",)),

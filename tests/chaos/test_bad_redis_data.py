@@ -1,4 +1,4 @@
-"""Chaos: Redis holds garbage (issue 17), against a real `brigade serve` (`tiny`, 1 prefill + 1
+"""Chaos: Redis holds garbage, against a real `brigade serve` (`tiny`, 1 prefill + 1
 decode) over a real redis-server the test owns (`--redis-url`). Malformed worker leases and
 index entries of every kind are written next to the real ones; requests whose prompts hit the
 corrupted entries are still served, and when the decode worker's process is then SIGKILLed it is

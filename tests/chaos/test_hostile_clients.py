@@ -1,4 +1,4 @@
-"""Chaos: hostile clients at a real `brigade serve` with auth on (issue 17). Figures: 1,100 idle
+"""Chaos: hostile clients at a real `brigade serve` with auth on. Figures: 1,100 idle
 sockets held open and then a completion still answers 200; unauthenticated 4 MiB gRPC calls are
 all UNAUTHENTICATED while the serve process's RSS stays flat (< 100 MB growth); /health latency
 while 8 clients loop large Detokenize calls (recorded; its p99 target is 200 ms). CI sends 20

@@ -1,4 +1,4 @@
-"""An external fuzzer at the HTTP door (issue 17): schemathesis reads the door's own
+"""An external fuzzer at the HTTP door: schemathesis reads the door's own
 GET /openapi.json from a real `brigade serve` (tiny preset, 1 prefill + 1 decode, a short
 context so valid requests stay short) and sends what it generates from it, valid bodies
 (positive) and bodies that break the schema (negative), to every operation. Every answer must

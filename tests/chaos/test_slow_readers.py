@@ -1,4 +1,4 @@
-"""Chaos: slow readers at the HTTP door (issue 17). Clients stream `max_tokens` 2,000 with 20
+"""Chaos: slow readers at the HTTP door. Clients stream `max_tokens` 2,000 with 20
 logprobs per token (the largest chunks there are) and read a few hundred bytes a second, from a
 socket with a small receive buffer. Each stream runs at most STREAM_WINDOW_CHUNKS ahead of its
 reader at every hop, and the decode worker holds a request in its engine once HOLD_AT chunks

@@ -1,4 +1,4 @@
-"""`brigade serve` starts every time (issue 17): consecutive start/stop cycles of a real serve
+"""`brigade serve` starts every time: consecutive start/stop cycles of a real serve
 while two busy-loop processes compete for the cores; every cycle must reach its ready line on
 its own (serve itself retries a failed local Ray start once; this loop does not retry), and stop
 with exit code 0. Reduced to 1 cycle in CI; BRIGADE_CHAOS_FULL=1 runs 30 and records the figure."""

@@ -1,4 +1,4 @@
-"""Chaos: 500 trickling clients at the HTTP door of a real `brigade serve` (issue 17). Each opens
+"""Chaos: 500 trickling clients at the HTTP door of a real `brigade serve`. Each opens
 a connection and sends its request one byte every TRICKLE_EVERY_S, never finishing the headers.
 The door holds at most frontdoor.max_connections (here CAP) of them, each with a thread, and
 answers the rest 503 at once; the header deadline (header_timeout_s) then cuts the held ones

@@ -320,7 +320,7 @@ def _extreme_sampling():
 
 
 def test_property_based_extreme_requests_get_no_internal_error_and_kill_no_worker(door, cluster) -> None:
-    """hypothesis (issue 17): requests built from the proto with every field at an extreme; every
+    """hypothesis: requests built from the proto with every field at an extreme; every
     answer is OK or a deliberate status, and afterwards the same workers are alive."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st

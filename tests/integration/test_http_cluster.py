@@ -237,7 +237,7 @@ def workers_fine(cluster: Cluster) -> dict[str, str]:
 
 @pytest.mark.timeout(300)
 def test_the_invalid_table_and_a_fuzz_corpus_kill_no_worker(served: Served) -> None:
-    """issue 17: every case of the shared table is refused naming its field, and 600 mutated
+    """Every case of the shared table is refused naming its field, and 600 mutated
     bodies get deliberate answers (no 5xx, none hangs); afterwards the same workers are alive,
     with no engine error, every KV pool whole, and the door serves."""
     actors = workers_fine(served.cluster)

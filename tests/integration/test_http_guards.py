@@ -1,4 +1,4 @@
-"""The HTTP door under hostile clients (issue 17), in-process over a stand-in backend: a trickle
+"""The HTTP door under hostile clients, in-process over a stand-in backend: a trickle
 that never finishes its headers, or its body, is cut off by a total deadline (a per-read timeout
 alone would let it hold a thread forever); connections over frontdoor.max_connections get 503 at
 once; and an answer still works when its socket's descriptor is above 1024 (no select())."""

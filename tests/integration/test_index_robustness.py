@@ -1,4 +1,4 @@
-"""Redis holds data anyone with access may have written (issue 17): a malformed worker lease or
+"""Redis holds data anyone with access may have written: a malformed worker lease or
 index entry is skipped and logged, never fatal, and the router's health loop survives any
 exception, so a dead worker is still ejected. A real redis-server; the pool over our own
 WorkerClient fakes."""

@@ -599,7 +599,7 @@ def test_the_object_store_fits_the_shared_memory_volume(overlay: str) -> None:
         assert _bytes(shm["emptyDir"]["sizeLimit"]) <= _bytes(ray_c["resources"]["limits"]["memory"])
 
 
-# -- hardening (issue 17): non-root, no privileges, read-only roots, no SA token, network policies --
+# -- hardening: non-root, no privileges, read-only roots, no SA token, network policies --
 
 def pods(docs) -> list[tuple[str, dict, dict]]:
     """(name, pod labels, pod spec) of every pod template: the RayCluster's groups and Redis."""
@@ -705,7 +705,7 @@ def test_prometheus_gets_a_scrape_only_token(overlay: str, tmp_path) -> None:
         assert monitor["authorization"]["credentials"] == {"name": "brigade-metrics-token", "key": "token"}
 
 
-# -- extra fronts (issue 19): k8s/overlays/cpu-dev-fronts --------------------------------------------
+# -- extra fronts: k8s/overlays/cpu-dev-fronts --------------------------------------------
 
 FRONTS = "cpu-dev-fronts"
 

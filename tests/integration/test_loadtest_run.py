@@ -83,7 +83,7 @@ def test_broken_streams_are_errors_of_their_kind(tmp_path: Path) -> None:
 
 def test_tokens_are_counted_from_usage_when_their_text_is_empty(tmp_path: Path) -> None:
     """One-token answers whose token ends inside a UTF-8 character stream no text: usage says 1
-    token, and that is what counts (issue 16: such answers were failures, 'carried no tokens')."""
+    token, and that is what counts (not a failure that 'carried no tokens')."""
     with OpenAIStub(misbehave=dict.fromkeys(range(1, 7), "empty")) as stub:
         run, = bench(stub, tmp_path, "--num-prompts", "6", "--input-len", "8", "--output-len", "1")["runs"]
     assert (run["completed"], run["failed"]) == (6, 0)

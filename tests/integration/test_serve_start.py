@@ -1,4 +1,4 @@
-"""`brigade serve` starts every time (issue 17): the gRPC door's threads do not exist yet when
+"""`brigade serve` starts every time: the gRPC door's threads do not exist yet when
 Ray forks its daemons (gRPC says "skipping fork() handlers" when they do, and a local Ray's
 start then timed out now and then), and a failed local Ray start is retried once, saying so."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Nothing listens on a wildcard address with a tensor-parallel decode worker either (issue 17):
+"""Nothing listens on a wildcard address with a tensor-parallel decode worker either:
 its ranks' group store (a TCPStore, which alone would listen on every interface), their gloo
 sockets and each rank's KV rendezvous all bind the one configured host. A real `brigade serve
 --decode-tp 2`; every listening socket of the whole process tree is checked, Ray's included."""

@@ -1,4 +1,4 @@
-"""No socket of ours listens on every interface (issue 17): every spelling of a wildcard is
+"""No socket of ours listens on every interface: every spelling of a wildcard is
 refused wherever a host is configured, and the TP/EP group's store binds its rendezvous host
 alone (torch's TCPStore, left to itself, listens on all of them)."""
 from __future__ import annotations

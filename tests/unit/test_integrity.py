@@ -1,4 +1,4 @@
-"""Integrity (issue 17): a model id names the exact weights; a checkpoint index cannot point
+"""Integrity: a model id names the exact weights; a checkpoint index cannot point
 the loader out of its directory; the disk tier never writes or reads through a planted
 symlink and makes its renames durable; a KV header that disagrees with its reservation is
 refused before anything is allocated."""

@@ -1,4 +1,4 @@
-"""Poison detection (issue 17): a request whose engine died under it is migrated at most once
+"""Poison detection: a request whose engine died under it is migrated at most once
 more; if that engine dies too, the request fails for good with a clear error instead of moving
 on to kill the next worker. A worker lost another way (process, node) migrates as before. The
 router over plain async fakes of WorkerClient (no Ray)."""

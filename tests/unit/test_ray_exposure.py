@@ -1,4 +1,4 @@
-"""Ray closed to strangers (issue 17): `brigade serve` with a non-loopback --host, or joining a
+"""Ray closed to strangers: `brigade serve` with a non-loopback --host, or joining a
 Ray cluster with --ray-address, refuses to start (exit 2, naming RAY_AUTH_MODE) unless Ray
 token auth is on; loopback serving needs nothing."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One request never takes an engine down (issue 17): hostile field values are refused before
+"""One request never takes an engine down: hostile field values are refused before
 they reach the engine, and a failure while sampling, checking stops or detokenizing one request
 fails that request alone (with a log id) while the rest of its batch goes on. In-process: the
 real engine on the `tiny` preset; the only stand-ins wrap our own Sampler and sinks."""
@@ -43,7 +43,7 @@ def run(engine: LLMEngine, params: list[SamplingParams]) -> dict[str, object]:
 
 class PoisonedSampler:
     """Our Sampler, failing any batch that holds a row with POISON_SEED (as the int64 overflow
-    of issue 17 did, for the whole batch)."""
+    of a sampled row once did, for the whole batch)."""
 
     def __init__(self, inner: Sampler):
         self.inner = inner

@@ -74,3 +74,16 @@ def test_bad_flags_get_one_line(argv: list[str], message: str, capsys: pytest.Ca
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_calibrate_fits_a_device_and_nothing_of_a_serving_path(capsys: pytest.CaptureFixture) -> None:
+    """Its flags time the engine's steps; its help says what the profile leaves out."""
+    with pytest.raises(SystemExit):
+        main(["sim", "calibrate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--threads" in text and "--dtype" in text
+    assert "--url" not in text and "--disagg-url" not in text and "--serving-only" not in text
+    assert "what a serving path adds per request" in text and "a device of its own" in text
+    with pytest.raises(SystemExit) as exc:
+        main(["sim", "calibrate", "--url", "http://127.0.0.1:1"])
+    assert exc.value.code == 2

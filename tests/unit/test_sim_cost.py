@@ -2,6 +2,8 @@
 figures follow from the shapes and the device profile."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from sim.cost import Roofline, StepWork
@@ -66,10 +68,10 @@ def test_unknown_names_say_what_exists() -> None:
         load_shape("no-such-model")
 
 
-def test_a_served_workers_token_overhead_is_paid_per_sampled_sequence() -> None:
+def test_the_per_sequence_overhead_is_paid_per_sampled_sequence() -> None:
     dev = load_device("cpu-2core")
     plain = Roofline(load_shape("bench"), dev)
-    served = Roofline(load_shape("bench"), dev.model_copy(update={"token_overhead_s": 0.002}))
+    served = Roofline(load_shape("bench"), dev.model_copy(update={"seq_overhead_s": 0.002}))
     decode = StepWork.of([(1, 300, True)] * 4)
     chunk = StepWork.of([(64, 0, False)])  # a prefill chunk that samples nothing
     assert served.step_s(decode) == pytest.approx(plain.step_s(decode) + 4 * 0.002)
@@ -92,25 +94,6 @@ def test_prompt_attn_eff_slows_only_a_steps_attention_among_its_own_new_tokens()
     pair = 4 * shape.layers * shape.heads * shape.head_dim
     assert r.prompt_attn_flops(hit) == pytest.approx(pair) and r.prompt_attn_flops(decode) == pytest.approx(4 * pair)
     assert r.compute_s(decode) == pytest.approx(plain.compute_s(decode), rel=0.01)
-
-
-def test_a_decode_step_takes_its_batch_s_scale_and_nothing_else_does() -> None:
-    """decode_batch_scale: linear between its batches, the last one's beyond, on the engine's part
-    of a step whose every sequence adds one token; prompts, mixed steps and a served worker's
-    overheads keep their roofline times."""
-    dev = load_device("cpu-2core").model_copy(update={"token_overhead_s": 0.002, "worker_step_overhead_s": 0.001})
-    scaled = dev.model_copy(update={"decode_batch_scale": ((1, 1.1), (2, 1.2), (4, 0.9))})
-    assert [scaled.decode_scale(b) for b in (1, 2, 3, 4, 16)] == pytest.approx([1.1, 1.2, 1.05, 0.9, 0.9])
-    assert dev.decode_scale(3) == 1.0
-    plain, r = Roofline(load_shape("bench"), dev), Roofline(load_shape("bench"), scaled)
-    served = 0.001 + 0.002 * 3
-    decode = StepWork.of([(1, 300, True)] * 3)
-    assert r.step_s(decode) - served == pytest.approx((plain.step_s(decode) - served) * 1.05)
-    for work in (StepWork.of([(64, 0, True)]), StepWork.of([(1, 300, True), (32, 0, True)]),
-                 StepWork.of([(1, 300, True), (16, 0, False)])):
-        assert r.step_s(work) == pytest.approx(plain.step_s(work))
-    assert r.decode_steps_s(3, 300, 10) == pytest.approx(
-        [r.step_s(StepWork.of([(1, 300 // 3 + j, True)] * 3)) for j in range(10)])
 
 
 def test_attention_below_the_matmuls_rate_slows_only_pairs_against_the_cached_context() -> None:
@@ -147,13 +130,11 @@ def test_a_decode_batchs_attention_runs_at_its_own_rate() -> None:
 
 
 def test_a_slowed_device_takes_every_cost_times_the_factor() -> None:
-    dev = load_device("cpu-2core").model_copy(update={"decode_token_overhead_s": 0.001, "stream_cpu_s": 0.004,
-                                                      "corun_slowdown": 1.5, "request_jitter_s": (-0.002, 0.0, 0.004)})
+    dev = load_device("cpu-2core").model_copy(update={"seq_overhead_s": 0.001, "attn_eff": 0.5})
     slow = dev.slowed(1.25)
-    assert slow.decode_token_overhead_s == pytest.approx(0.00125) and slow.stream_cpu_s == pytest.approx(0.005)
-    assert slow.request_jitter_s == pytest.approx((-0.0025, 0.0, 0.005))  # each quantile, not the tuple repeated
-    assert slow.decode_worker_step_overhead_s is None and slow.corun_slowdown == 1.5  # a ratio, not a cost
-    assert slow.host_cores == dev.host_cores and dev.slowed(1.0) is dev
+    assert slow.seq_overhead_s == pytest.approx(0.00125) and slow.step_overhead_s == pytest.approx(1.25 * 0.005)
+    assert slow.attn_eff == 0.5 and slow.mem_bytes == dev.mem_bytes  # a ratio and a size, not costs
+    assert dev.slowed(1.0) is dev
     shape = load_shape("bench")
     for w in (StepWork.of([(512, 0, True)]), StepWork.of([(1, 700, True)] * 6), StepWork.of([(32, 1024, True)])):
         assert Roofline(shape, slow).step_s(w) == pytest.approx(1.25 * Roofline(shape, dev).step_s(w))
@@ -161,24 +142,20 @@ def test_a_slowed_device_takes_every_cost_times_the_factor() -> None:
         dev.slowed(0.8)
 
 
-def test_a_requests_jitter_is_its_draw_between_the_quantiles() -> None:
-    dev = load_device("cpu-2core")
-    assert dev.jitter_s(0.9) == 0.0  # none measured: every request at its median
-    dev = dev.model_copy(update={"request_jitter_s": (-0.004, -0.001, 0.0, 0.002, 0.010)})
-    assert [dev.jitter_s(u) for u in (0.0, 0.125, 0.5, 0.875, 1.0)] == pytest.approx(
-        [-0.004, -0.0025, 0.0, 0.006, 0.010])
-    assert dev.model_copy(update={"request_jitter_s": (0.003,)}).jitter_s(0.7) == 0.003
+def test_a_profile_file_with_fields_that_describe_no_device_is_refused(tmp_path) -> None:
+    """A profile JSON from a calibration that also measured a serving path: the fields are
+    named, and what to do next."""
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({**load_device("cpu-2core").model_dump(), "host_cores": 2.0, "corun_wait_s": 0.01}))
+    with pytest.raises(ValueError, match="corun_wait_s, host_cores.*calibrate again"):
+        load_device(str(path))
+    path.write_text(load_device("cpu-2core").model_dump_json())
+    assert load_device(str(path)) == load_device("cpu-2core")
 
 
-def test_what_idle_costs_grows_between_the_measured_idles_and_stays_beyond() -> None:
-    dev = load_device("cpu-2core").model_copy(update={"cold_step_s": ((0.1, 0.002), (1.0, 0.008)),
-                                                      "cold_request_s": ((0.5, 0.006),)})
-    assert [dev.cold_step(t) for t in (0.0, 0.05, 0.1, 0.55, 1.0, 60.0, float("inf"))] == pytest.approx(
-        [0.0, 0.001, 0.002, 0.005, 0.008, 0.008, 0.008])
-    assert dev.cold_request(0.25) == pytest.approx(0.003) and load_device("cpu-2core").cold_step(5.0) == 0.0
-    slow = dev.slowed(1.5)  # the extra seconds, not the idle ones
-    assert [i for i, _ in slow.cold_step_s] == [0.1, 1.0]
-    assert [e for _, e in slow.cold_step_s] == pytest.approx([0.003, 0.012])
-    for bad in (((0.5, 0.002), (0.5, 0.004)), ((0.0, 0.002),), ((0.5, -0.001),)):
-        with pytest.raises(ValueError, match="rising idles"):
-            DeviceProfile.model_validate({**dev.model_dump(), "cold_step_s": bad})
+def test_a_device_profile_holds_only_what_describes_a_device() -> None:
+    """Rates, efficiencies, per-step costs, memory, precision and links: nothing of a serving
+    path or of a machine's cores shared between workers."""
+    assert set(DeviceProfile.model_fields) == {
+        "name", "peak_flops", "mem_bw", "mem_bytes", "compute_eff", "bw_eff", "attn_eff", "decode_attn_eff",
+        "prompt_attn_eff", "step_overhead_s", "seq_overhead_s", "dtype_bytes", "intra_link", "inter_link"}

@@ -1,5 +1,4 @@
-"""StepTimer: the real engine's steps timed on this machine (what calibrate fits, and what the
-serving path's costs are measured against)."""
+"""StepTimer: the real engine's steps timed on this machine (what calibrate fits)."""
 from __future__ import annotations
 
 import pytest

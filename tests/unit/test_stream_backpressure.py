@@ -1,4 +1,4 @@
-"""Backpressure into the engine (issue 17): a request whose reader is behind is held, keeping its
+"""Backpressure into the engine: a request whose reader is behind is held, keeping its
 KV, while the rest of the batch decodes; released, it finishes with the same tokens."""
 from __future__ import annotations
 
