@@ -25,7 +25,6 @@ import asyncio
 import json
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -35,8 +34,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from benchmarks.harness.served import served_fleet
+
 ROOT = Path(__file__).resolve().parents[1]
-READY = re.compile(r"^Brigade serving .* at (http:\S+)/v1 ")
 # validated figure -> bench's summary key
 METRICS = {"ttft_p50": "p50_ttft_ms", "ttft_p90": "p90_ttft_ms", "tpot_mean": "mean_tpot_ms",
            "throughput": "request_throughput", "hit_ratio": "cache_hit_ratio"}
@@ -124,32 +124,12 @@ def _env() -> dict:
 
 @contextmanager
 def serve(fleet: Fleet, model: str, num_blocks: int, log_dir: Path, ready_timeout_s: float = 300):
-    """`brigade serve` of the fleet; yields its base URL, stops it (SIGTERM, then SIGKILL) after."""
+    """`brigade serve` of the fleet (the served-fleet harness); yields its base URL."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    out, err = log_dir / f"{fleet.name}.serve.out", log_dir / f"{fleet.name}.serve.log"
-    cmd = [sys.executable, "-m", "cluster.cli", "serve", *fleet.serve_flags(), "--model", model, "--device", "cpu",
-           "--num-blocks", str(num_blocks), "--http-port", "0", "--grpc-port", "0"]
-    with out.open("w") as fo, err.open("w") as fe:
-        proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, cwd=ROOT, env=_env())
-    try:
-        deadline = time.monotonic() + ready_timeout_s
-        url = None
-        while url is None:
-            if proc.poll() is not None:
-                raise RuntimeError(f"brigade serve ({fleet.name}) exited {proc.returncode}; see {err}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"brigade serve ({fleet.name}) not ready after {ready_timeout_s:.0f} s; see {err}")
-            url = next((m.group(1) for line in out.read_text().splitlines() if (m := READY.match(line))), None)
-            time.sleep(0.5)
-        yield url
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    flags = [*fleet.serve_flags(), "--model", model, "--device", "cpu", "--num-blocks", str(num_blocks),
+             "--http-port", "0", "--grpc-port", "0"]
+    with served_fleet(flags, log_dir / f"{fleet.name}.serve.log", timeout_s=ready_timeout_s) as served:
+        yield served.http_base
 
 
 def bench(url: str, load: Load, slo: str, out_dir: Path, label: str, warmup: int = 2) -> list[dict]:
