@@ -10,8 +10,8 @@ import ray
 from decode_worker.worker import DecodeWorker
 from engine import EngineConfig
 from engine.messages import STREAM_WINDOW_CHUNKS, Chunk, GenerateRequest, PrefillResult
-from engine.worker_base import PublisherFactory, WorkerActor
 from kv_transfer import TransferConfig
+from worker.base import PublisherFactory, WorkerActor
 
 
 @ray.remote

@@ -35,7 +35,6 @@ from engine.engine_loop import Sink
 from engine.messages import Chunk, GenerateRequest, PrefillResult, Timing
 from engine.parallel.runner import LocalKVFailed, ParallelModelRunner
 from engine.sampling import TokenLogprobs
-from engine.worker_base import EngineWorker, PublisherFactory
 from kv_transfer import (
     ChecksumMismatch,
     HeadShard,
@@ -50,6 +49,7 @@ from kv_transfer import (
 from kv_transfer.layout import draft_layout
 from kv_transfer.leases import LeaseSweeper
 from kv_transfer.reshard import shard_of
+from worker.base import EngineWorker, PublisherFactory
 
 log = logging.getLogger(__name__)
 

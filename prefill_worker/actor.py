@@ -7,9 +7,9 @@ import ray
 
 from engine import EngineConfig
 from engine.messages import GenerateRequest, PrefillResult
-from engine.worker_base import PublisherFactory, WorkerActor
 from kv_transfer import TransferConfig
 from prefill_worker.worker import PrefillWorker
+from worker.base import PublisherFactory, WorkerActor
 
 
 @ray.remote

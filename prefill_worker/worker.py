@@ -5,7 +5,7 @@ chosen decode worker pulls it (`push`), which sends it over that decode worker's
 speculative.draft_kv "ship" the engine's draft model computes the prompt's draft KV in the
 loop's next turn (the first token is answered first), and it goes over the same channel with
 the target's (kv_transfer.channel). Plain
-class over engine.worker_base.EngineWorker (engine, loop, publisher, health): the Ray actor in
+class over worker.base.EngineWorker (engine, loop, publisher, health): the Ray actor in
 actor.py only adapts its futures to asyncio.
 """
 from __future__ import annotations
@@ -16,11 +16,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from engine import EngineConfig, KVExport, RequestOutput, Role
 from engine.messages import Aborted, GenerateRequest, PrefillResult
-from engine.worker_base import EngineWorker, PublisherFactory
 from kv_transfer import KVLayout, KVTransferError, SenderChannel, TransferConfig, connect
 from kv_transfer.layout import draft_layout
 from kv_transfer.leases import LeaseSweeper
 from kv_transfer.reshard import ShardedSender, connect_group
+from worker.base import EngineWorker, PublisherFactory
 
 log = logging.getLogger(__name__)
 
