@@ -36,17 +36,14 @@ VOCAB = 32000  # bench's tokenizer (bpe-32k); ids below it are all real tokens
 async def _one(prefill: PrefillWorker, decode: DecodeWorker, rid: str, prompt: list[int],
                params: SamplingParams) -> dict:
     req = GenerateRequest(rid, prompt, params)
-    t0 = time.perf_counter()
-    first = await asyncio.wrap_future(prefill.prefill(req))
-    t1 = time.perf_counter()
-    if not decode.reserve(rid, len(prompt)):
+    handle = decode.reserve(rid, len(prompt), prefill.worker_id)
+    if handle is None:
         raise RuntimeError(f"the decode worker has no blocks for {rid}")
-
-    async def push() -> bool:
-        return prefill.push(rid, decode.worker_id)
-
+    t0 = time.perf_counter()
+    first = await asyncio.wrap_future(prefill.prefill(req, handle))
+    t1 = time.perf_counter()
     tokens, t2, timing = [first.first_token_id], None, None
-    async for chunk in decode.stream(req, first, prefill.worker_id, push):
+    async for chunk in decode.stream(req, first, handle):
         t2 = t2 or time.perf_counter()
         timing = timing or chunk.timing
         tokens += chunk.token_ids

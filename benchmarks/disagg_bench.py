@@ -31,8 +31,9 @@ same cores, so it stays meaningful across machines:
       sequential 1,024-token requests (distinct random prompts: no prefix hits; max_tokens 2 so the
       KV does move), after warm-up requests: median over requests of transfer_s / ttft_s from the
       last chunk's Timing. Raw keeps the full TTFT breakdown per request: queue, prefill (the
-      router's prefill RPC), transfer (the decode worker's pull: push RPC, export, send, receive,
-      write), the rest of the router's TTFT (reserve RPC, decode.generate start, admit, first chunk:
+      router's prefill RPC), transfer (the decode worker's receive of the KV the prefill worker
+      sent as it exported it: header to KV written), the rest of the router's TTFT (reserve RPC,
+      decode.generate start, admit, first chunk:
       no decode step runs before the first token, which the prefill produced), and the hop from the
       router to this driver (client TTFT - router TTFT). The engine's own prefill time (phase 1,
       same thread count, no Ray) is kept next to it.
@@ -490,7 +491,7 @@ async def run_ttft(cl, plan: Plan, model: str, vocab: int, seed: int, show: bool
         "breakdown_doc": {
             "queue_s": "router admission (Timing.queue_s)",
             "prefill_s": "router: prefill RPC to the prefill worker, first token back (engine prefill + Ray hop)",
-            "transfer_s": "decode worker pull: push RPC to the prefill worker, export_kv, send, recv, write_kv",
+            "transfer_s": "decode worker: the KV's header arriving (sent as it was exported) to write_kv done",
             "router_rest_s": "ttft - queue - prefill - transfer (negative: the first token leaves from the "
                              "prefill result, so the transfer overlaps the stream after it): reserve RPC, "
                              "picking, the first chunk's hop",

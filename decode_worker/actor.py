@@ -9,9 +9,9 @@ import ray
 
 from decode_worker.worker import DecodeWorker
 from engine import EngineConfig
-from engine.messages import STREAM_WINDOW_CHUNKS, Chunk, GenerateRequest, PrefillResult
-from engine.worker_base import PublisherFactory, WorkerActor
+from engine.messages import STREAM_WINDOW_CHUNKS, Chunk, GenerateRequest, KVHandle, PrefillResult
 from kv_transfer import TransferConfig
+from worker.base import PublisherFactory, WorkerActor
 
 
 @ray.remote
@@ -41,15 +41,14 @@ class DecodeActor(WorkerActor):
             raise RuntimeError(f"the ranks of {self.worker.worker_id} accepted different peers: {peers}")
         return peers[0]
 
-    async def reserve(self, request_id: str, num_tokens: int) -> bool:
-        return await asyncio.to_thread(self.worker.reserve, request_id, num_tokens)
+    async def reserve(self, request_id: str, num_tokens: int, prefill_id: str) -> KVHandle | None:
+        return await asyncio.to_thread(self.worker.reserve, request_id, num_tokens, prefill_id)
 
     @ray.method(_generator_backpressure_num_objects=STREAM_WINDOW_CHUNKS)
-    async def generate(self, req: GenerateRequest, first: PrefillResult, prefill_id: str,
-                       prefill: ray.actor.ActorHandle) -> AsyncIterator[Chunk]:
-        """Pull the KV from `prefill`, then stream from the second token on (DecodeWorker.stream)."""
-        push = lambda: prefill.push.remote(req.request_id, self.worker.worker_id)  # noqa: E731
-        async for chunk in self.worker.stream(req, first, prefill_id, push):
+    async def generate(self, req: GenerateRequest, first: PrefillResult, handle: KVHandle) -> AsyncIterator[Chunk]:
+        """Take the KV the prefill worker sent for `handle`, then stream from the second token on
+        (DecodeWorker.stream)."""
+        async for chunk in self.worker.stream(req, first, handle):
             yield chunk
 
     @ray.method(_generator_backpressure_num_objects=STREAM_WINDOW_CHUNKS)

@@ -8,8 +8,9 @@ stops them. The router only ever sees rank 0.
 
 KV into a TP decode worker: every rank hosts its own TransferServer; rank 0's address() lists
 them all, so a prefill worker opens one pair per rank (kv_transfer.reshard.connect_group) and
-sends each rank exactly its heads. Rank 0 receives its piece in pull(), then one WRITE_LOCAL
-op has every other rank receive its piece from the same prefill worker and write it. KV out
+sends each rank exactly its heads. Rank 0's receiving thread for that pair takes its piece
+(kv_transfer.decode_side), then one WRITE_LOCAL op has every other rank receive its piece from
+the same prefill worker and write it. KV out
 of a TP prefill worker is still gathered to its rank 0 (READ_KV) and leaves as all heads.
 
 Failure: the group's collectives are bounded by parallel.timeout_s and rank 0 pings its

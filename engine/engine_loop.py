@@ -75,7 +75,7 @@ class EngineLoop:
         return fut
 
     def fail_next_step(self, exc: Exception) -> None:
-        """Chaos tests only (engine/faults.py): the next step raises `exc`, even with nothing to
+        """Chaos tests only (worker/faults.py): the next step raises `exc`, even with nothing to
         run, so the engine dies by the same path as a real failed step."""
         self._fault = exc
 

@@ -3,8 +3,9 @@ hands a worker, and what comes back.
 
 A request crosses two typed forms between a door and a worker: the door builds a
 `GenerateRequest` (tokenized, checked), and a prefill worker answers with a `PrefillResult`
-(the first token, its KV held there until a decode worker pulls it). Tokens stream back as
-`Chunk`s; the last one carries usage and `Timing`. A worker's health check answers a
+(the first token; its KV already on its way to the decode worker named by the request's
+`KVHandle`). Tokens stream back as `Chunk`s, each built once and never changed; the last one
+carries usage and `Timing`. A worker's health check answers a
 `WorkerHealth`. Plain dataclasses: they cross Ray (pickled by Ray between our own
 processes, never on a socket we open) and are converted to protobuf only at the gRPC edge.
 """
@@ -55,10 +56,23 @@ def shifted_seed(seed: int, offset: int) -> int:
     return (seed + offset * _GOLDEN_INV) & _MASK
 
 
+@dataclass(frozen=True)
+class KVHandle:
+    """A decode worker's reservation of blocks for one request's KV (kv_transfer's Handoff),
+    as it travels: the router hands it to the prefill worker with the request, so the KV goes
+    to `decode_id` as soon as it is exported, and back to the decode worker to start it."""
+
+    request_id: str
+    prefill_id: str  # the only worker whose KV for this request the decode worker accepts
+    decode_id: str
+    num_tokens: int
+
+
 @dataclass
 class PrefillResult:
-    """What a prefill worker returns once a request's first token exists (its KV stays pinned
-    there until a decode worker pulls it, unless the first token already finished it)."""
+    """What a prefill worker returns once a request's first token exists. `kv_sent`: its KV
+    is queued for the decode worker of the request's KVHandle (False: no handle, no pair with
+    that worker, or the first token finished the request; the decode worker then recomputes)."""
 
     request_id: str
     first_token_id: int
@@ -69,6 +83,7 @@ class PrefillResult:
     first_logprobs: TokenLogprobs | None
     queue_s: float
     prefill_s: float
+    kv_sent: bool = False
 
     def chunk(self) -> Chunk:
         """The stream's first chunk: sent to the client as soon as the prefill is done, before
@@ -90,9 +105,11 @@ class Timing:
     migrations: int = 0  # times the request moved to other workers after one died (router/migration.py)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Chunk:
-    """One piece of a response stream. The last has `finished`, a reason, usage and timing."""
+    """One piece of a response stream. The last has `finished`, a reason, usage and timing.
+    Frozen: each hop that adds to it (the router names its workers) builds a new one with
+    dataclasses.replace, so a chunk already handed on never changes under its reader."""
 
     request_id: str
     token_ids: list[int]

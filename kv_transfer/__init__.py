@@ -5,6 +5,8 @@ Entry points: `TransferServer` (receiver side, hosts the pair rendezvous) and `c
 the router hands them for that pairing; `inprocess_pair` builds one over queues
 for unit tests. Both yield a `SenderChannel` / `ReceiverChannel` (the `KVSender` /
 `KVReceiver` protocols of `base`). See base.py for the message flow and ownership rules.
+Above the channels, one `Handoff` per request (handoff.py) is owned by the decode-side and the
+prefill-side connectors (decode_side.py, prefill_side.py), which the workers delegate to.
 """
 from kv_transfer.base import ChannelStats, KVReceiver, KVSender, Link, Msg
 from kv_transfer.channel import ReceiverChannel, SenderChannel, payload_view

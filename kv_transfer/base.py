@@ -2,15 +2,15 @@
 
 Modelled on vLLM v1's KV connector, much smaller. vLLM splits a connector into a scheduler
 side (decide what to load, where it goes) and a worker side (move the bytes). Here the
-decision belongs to the receiver's caller and sits between two calls:
+channels below are the wire; the scheduler half, and each request's Handoff, live in the
+connectors (decode_side.py, prefill_side.py), whose decision sits between two calls:
 
-    prefill worker (sender)                   decode worker (receiver)
+    prefill worker (sender)                   decode worker (receiver, blocks reserved first)
     export = engine.export_kv(rid)
     tx.send(rid, export.kv, export.num_tokens) ─ header ─▶ h = rx.recv_header()   # checked vs its layout
-                                                          try: blocks = engine.reserve(rid, h.num_tokens)
-                                                          except NoFreeBlocks: rx.refuse(h, NO_CAPACITY)
+                                                          no hand-off reserved for it: rx.refuse(h)
                                          ◀── ack ───────  kv = rx.recv_payload(h)   # accept, receive, verify
-                  (payload only on accept) ─ payload ──▶  engine.write_kv(blocks, kv); engine.admit(...)
+                  (payload only on accept) ─ payload ──▶  engine.write_kv(blocks, kv); later engine.admit(...)
 
 The prompt, first token and sampling params travel with the request's control message
 (Ray), not here: this package moves KV bytes and the layout facts needed to trust them.

@@ -166,6 +166,7 @@ class ReceiverChannel:
         mismatch = check_header(header, self.layout, self.shard, self.link.payload_device)
         if mismatch is not None:
             self._answer(mismatch.reason)
+            mismatch.request_id = header.request_id  # whose hand-off fails (decode_side)
             raise mismatch
         self._pending = header
         return header

@@ -25,9 +25,10 @@ class TransferConfig(BaseModel):
     timeout_s: the bound on each blocking step of a transfer (header, ack, payload).
     connect_timeout_s: the bound on joining a pair (rendezvous plus group setup).
     hold_timeout_s: how long KV may wait for its other side: a prefill worker drops an
-      exported request nobody pulled, a decode worker frees blocks reserved for a payload
-      that never came (e.g. the router died between the two calls); swept on a timer
-      (kv_transfer/leases.py), not only by the next request.
+      export whose send never started, a decode worker frees blocks reserved for a request
+      that was never admitted (its KV never came, or came and its stream did not: e.g. the
+      router died between its calls); swept on a timer (kv_transfer/leases.py), not only by
+      the next request.
     backend: gloo moves CPU tensors; nccl moves CUDA tensors (the header and ack still go
       over a gloo group); auto picks nccl when CUDA and NCCL are available, else gloo.
     recv_buffer_mib: the largest receive buffer a decode worker keeps per channel, reused

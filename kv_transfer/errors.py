@@ -32,11 +32,12 @@ class HeaderError(KVTransferError, ValueError):
 class LayoutMismatch(KVTransferError):
     """The payload's layout is not the one expected. Raised on the receiver, before any payload
     byte is read (the sender got a refusal), or on the sender for a tensor that does not match
-    its own layout."""
+    its own layout. `request_id`: the refused header's, when it decoded."""
 
-    def __init__(self, reason: RefuseReason, message: str):
+    def __init__(self, reason: RefuseReason, message: str, request_id: str | None = None):
         super().__init__(f"{reason.name}: {message}")
         self.reason = reason
+        self.request_id = request_id
 
 
 class ChecksumMismatch(KVTransferError):

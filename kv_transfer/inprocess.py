@@ -55,6 +55,7 @@ class QueueLink:
         if not self.closed:
             self.closed = True
             self.outbox.put(_CLOSED)
+            self.inbox.put(_CLOSED)  # and a receive of our own that waits ends too
 
 
 def inprocess_pair(layout: KVLayout, shard: HeadShard | None = None, receiver_layout: KVLayout | None = None,

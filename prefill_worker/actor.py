@@ -6,10 +6,10 @@ import asyncio
 import ray
 
 from engine import EngineConfig
-from engine.messages import GenerateRequest, PrefillResult
-from engine.worker_base import PublisherFactory, WorkerActor
+from engine.messages import GenerateRequest, KVHandle, PrefillResult
 from kv_transfer import TransferConfig
 from prefill_worker.worker import PrefillWorker
+from worker.base import PublisherFactory, WorkerActor
 
 
 @ray.remote
@@ -19,14 +19,11 @@ class PrefillActor(WorkerActor):
         transfer_cfg = transfer_cfg.on_node(ray.util.get_node_ip_address())
         self._serve(PrefillWorker(worker_id, engine_cfg, transfer_cfg, publisher))
 
-    async def prefill(self, req: GenerateRequest) -> PrefillResult:
-        return await asyncio.wrap_future(self.worker.prefill(req))
+    async def prefill(self, req: GenerateRequest, handle: KVHandle | None = None) -> PrefillResult:
+        return await asyncio.wrap_future(self.worker.prefill(req, handle))
 
     async def connect(self, decode_id: str, address: tuple[str, int], ticket: str) -> None:
         await asyncio.to_thread(self.worker.connect, decode_id, address, ticket)
-
-    async def push(self, request_id: str, decode_id: str) -> bool:
-        return await asyncio.to_thread(self.worker.push, request_id, decode_id)
 
     async def abort(self, request_id: str) -> None:
         await asyncio.to_thread(self.worker.abort, request_id)

@@ -4,8 +4,10 @@ workers in the last chunk; raises WorkerLost when a worker died under the attemp
 request loop migrates it) and NoWorker when no worker can take it.
 
 Disaggregated: reserve KV blocks on a decode worker paired with the chosen prefill worker,
-prefill (its first token leaves for the client at once, before the KV moves), then the decode
-worker pulls the KV and streams from the second token on. max_tokens 1 needs no decode
+then prefill with the reservation's handle (the prefill worker sends the KV to that decode
+worker as soon as it is exported, while the first token leaves for the client), then the decode
+worker takes the KV and streams from the second token on: three worker calls, none between
+workers. max_tokens 1 needs no decode
 worker at all. When every paired decode worker's pool is full, requests wait for blocks in
 arrival order (up to RouterConfig.decode_wait_s), as an engine's waiting queue would, rather
 than being refused while the decode workers are merely busy.
@@ -18,7 +20,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from engine.messages import Chunk, GenerateRequest, Timing
+from engine.messages import Chunk, GenerateRequest, KVHandle, Timing
 from router.errors import DecodeFull, NoWorker, WorkerLost
 from router.policy import Picker
 from router.pool import WorkerRef
@@ -83,16 +85,16 @@ class Dispatch:
         prefill.inflight += 1  # counted from the pick on, so concurrent requests spread out
         prefill.queued_tokens += queued
         self.active[key] = (prefill, None, rid)
-        prefilling, decode = True, None
+        prefilling, decode, handle = True, None, None
         try:
             # max_tokens 1: the prefill worker's first token is the whole answer, so no decode
             # worker is needed (nor a reservation that would hold its blocks through the prefill).
             if req.params.max_tokens > 1:
-                decode = await self._reserve(req, prefill, avoid)
+                decode, handle = await self._reserve(req, prefill, avoid)
             self.active[key] = (prefill, decode, rid)
             start = time.monotonic()
             try:
-                first = await prefill.client.prefill(req)
+                first = await prefill.client.prefill(req, handle)
             except BaseException as exc:
                 if decode is not None:
                     await _quietly(decode.client.abort(rid))  # frees the reservation
@@ -119,7 +121,7 @@ class Dispatch:
             except GeneratorExit:  # closed before the decode worker took the KV: free both holds now
                 await asyncio.gather(prefill.client.abort(rid), decode.client.abort(rid), return_exceptions=True)
                 raise
-            async for chunk in self._from_worker(decode, decode.client.generate(req, first, prefill.client)):
+            async for chunk in self._from_worker(decode, decode.client.generate(req, first, handle)):
                 if chunk.timing is not None:  # the decode worker's transfer report
                     timing.transfer_s, timing.transfer_bytes = chunk.timing.transfer_s, chunk.timing.transfer_bytes
                     timing.recomputed = chunk.timing.recomputed
@@ -141,27 +143,29 @@ class Dispatch:
         if not finished:
             raise WorkerLost(worker.worker_id)
 
-    async def _reserve(self, req: GenerateRequest, prefill: WorkerRef, avoid: set[str]) -> WorkerRef:
+    async def _reserve(self, req: GenerateRequest, prefill: WorkerRef, avoid: set[str]) -> tuple[WorkerRef, KVHandle]:
         """A decode worker connected to `prefill` (and not in `avoid`) with blocks for the
-        prompt's KV; its inflight count already includes this request. Raises NoWorker if none
-        is alive, DecodeFull if their pools stayed full for decode_wait_s."""
+        prompt's KV, and the reservation's handle; its inflight count already includes this
+        request. Raises NoWorker if none is alive, DecodeFull if their pools stayed full for
+        decode_wait_s."""
         if not self._reserve_turn.locked():  # nobody is waiting: no queue to respect
-            decode = await self._try_reserve(req, prefill, avoid)
-            if decode is not None:
-                return decode
+            got = await self._try_reserve(req, prefill, avoid)
+            if got is not None:
+                return got
         try:
             async with asyncio.timeout(self.decode_wait_s):
                 async with self._reserve_turn:
-                    while (decode := await self._try_reserve(req, prefill, avoid)) is None:
+                    while (got := await self._try_reserve(req, prefill, avoid)) is None:
                         self._decode_freed.clear()
                         with contextlib.suppress(TimeoutError):
                             await asyncio.wait_for(self._decode_freed.wait(), RESERVE_POLL_S)
-                    return decode
+                    return got
         except TimeoutError:
             raise DecodeFull(f"every decode worker's KV cache stayed full for {self.decode_wait_s:g} s "
                              "(router.decode_wait_s); retry shortly") from None
 
-    async def _try_reserve(self, req: GenerateRequest, prefill: WorkerRef, avoid: set[str]) -> WorkerRef | None:
+    async def _try_reserve(self, req: GenerateRequest, prefill: WorkerRef,
+                           avoid: set[str]) -> tuple[WorkerRef, KVHandle] | None:
         """One pass over the candidate decode workers; None if every live one is full."""
         tried: set[str] = set(avoid)
         full = False
@@ -174,8 +178,9 @@ class Dispatch:
                 raise
             decode.inflight += 1  # before the await, as for the prefill pick
             try:
-                if await decode.client.reserve(req.request_id, len(req.prompt_token_ids)):
-                    return decode
+                handle = await decode.client.reserve(req.request_id, len(req.prompt_token_ids), prefill.worker_id)
+                if handle is not None:
+                    return decode, handle
                 full = True
             except asyncio.CancelledError:
                 decode.inflight -= 1

@@ -70,16 +70,16 @@ class Router:
                         timing.ttft_s, first = time.monotonic() - arrived, False
                     if chunk.finished:
                         timing.total_s = time.monotonic() - arrived
-                        chunk.timing = timing
-                        chunk.prefill_worker = prefill.worker_id if prefill else None
-                        chunk.decode_worker = decode.worker_id if decode else None
+                        chunk = dataclasses.replace(chunk, timing=timing,
+                                                    prefill_worker=prefill.worker_id if prefill else None,
+                                                    decode_worker=decode.worker_id if decode else None)
                         # Its workers are done with it. Free the slot before the answer leaves:
                         # this generator resumes only once the reader takes the chunk (the doors
                         # read through a window), and a client that got its answer may already
                         # have sent its next request.
                         slot.release()
-                    else:
-                        chunk.timing = None
+                    elif chunk.timing is not None:  # a worker's report, folded into the request's timing
+                        chunk = dataclasses.replace(chunk, timing=None)
                     yield chunk
             finally:
                 self.dispatch.forget(req.request_id)
@@ -95,13 +95,15 @@ class Router:
         while True:
             try:
                 async for chunk, prefill, decode in self.dispatch.attempt(attempt, req.request_id, timing, avoid):
-                    chunk.request_id = req.request_id
                     sent += chunk.token_ids
                     chars += len(chunk.text)
-                    if chunk.finished and chunk.usage is not None and attempt is not req:
-                        chunk.usage = dataclasses.replace(
-                            chunk.usage, prompt_tokens=len(req.prompt_token_ids), completion_tokens=len(sent),
-                            cached_tokens=min(chunk.usage.cached_tokens, len(req.prompt_token_ids)))
+                    if attempt is not req:  # a continuation: the client knows the request by its own id
+                        usage = chunk.usage
+                        if chunk.finished and usage is not None:
+                            usage = dataclasses.replace(
+                                usage, prompt_tokens=len(req.prompt_token_ids), completion_tokens=len(sent),
+                                cached_tokens=min(usage.cached_tokens, len(req.prompt_token_ids)))
+                        chunk = dataclasses.replace(chunk, request_id=req.request_id, usage=usage)
                     yield chunk, prefill, decode
                 return
             except WorkerLost as lost:

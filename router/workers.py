@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Protocol, TypeVar
 
 from engine.engine_loop import EngineDied
-from engine.messages import Chunk, GenerateRequest, PrefillResult, WorkerHealth
+from engine.messages import Chunk, GenerateRequest, KVHandle, PrefillResult, WorkerHealth
 from router.errors import WorkerLost
 
 T = TypeVar("T")
@@ -27,19 +27,19 @@ class WorkerClient(Protocol):
     async def health(self) -> WorkerHealth: ...
 
     # -- one request --------------------------------------------------------------------
-    async def reserve(self, request_id: str, num_tokens: int) -> bool:
-        """Decode: hold blocks for the prompt's KV before it is sent; False when full."""
+    async def reserve(self, request_id: str, num_tokens: int, prefill_id: str) -> KVHandle | None:
+        """Decode: hold blocks for the prompt's KV from `prefill_id` before it is sent; the
+        handle the prefill request carries, or None when full."""
 
-    async def prefill(self, req: GenerateRequest) -> PrefillResult:
-        """Prefill: compute the prompt; the KV stays here until a decode worker pulls it."""
+    async def prefill(self, req: GenerateRequest, handle: KVHandle | None = None) -> PrefillResult:
+        """Prefill: compute the prompt; its KV leaves for the decode worker of `handle` as soon as
+        it is exported (no handle: nobody takes it)."""
 
     def generate(self, req: GenerateRequest, first: PrefillResult | None = None,
-                 prefill: WorkerClient | None = None) -> AsyncIterator[Chunk]:
-        """Decode (with `first`): pull the KV from `prefill` and stream from the second token on.
-        Mixed (without): the whole request. The stream ends with a `finished` chunk."""
-
-    async def push(self, request_id: str, decode_id: str) -> bool:
-        """Prefill: send a prefilled request's KV to `decode_id` (False: not held here)."""
+                 handle: KVHandle | None = None) -> AsyncIterator[Chunk]:
+        """Decode (with `first` and the `handle` reserve() gave): take the KV the prefill worker
+        sent and stream from the second token on. Mixed (without): the whole request. The
+        stream ends with a `finished` chunk."""
 
     async def abort(self, request_id: str) -> None:
         """Free the request's KV here; a stream it has here ends with finish_reason "abort"."""
@@ -101,18 +101,18 @@ class RayWorker:
     async def health(self) -> WorkerHealth:
         return await self._call(self.handle.health.remote())
 
-    async def reserve(self, request_id: str, num_tokens: int) -> bool:
-        return await self._call(self.handle.reserve.remote(request_id, num_tokens))
+    async def reserve(self, request_id: str, num_tokens: int, prefill_id: str) -> KVHandle | None:
+        return await self._call(self.handle.reserve.remote(request_id, num_tokens, prefill_id))
 
-    async def prefill(self, req: GenerateRequest) -> PrefillResult:
-        return await self._call(self.handle.prefill.remote(req))
+    async def prefill(self, req: GenerateRequest, handle: KVHandle | None = None) -> PrefillResult:
+        return await self._call(self.handle.prefill.remote(req, handle))
 
     async def generate(self, req: GenerateRequest, first: PrefillResult | None = None,
-                       prefill: RayWorker | None = None) -> AsyncIterator[Chunk]:
+                       handle: KVHandle | None = None) -> AsyncIterator[Chunk]:
         if first is None:
             stream = self.handle.generate_local.remote(req)
         else:
-            stream = self.handle.generate.remote(req, first, prefill.worker_id, prefill.handle)
+            stream = self.handle.generate.remote(req, first, handle)
         try:
             async for ref in stream:
                 yield await ref
@@ -120,9 +120,6 @@ class RayWorker:
             if worker_died(exc):
                 raise lost(self.worker_id, exc) from exc
             raise
-
-    async def push(self, request_id: str, decode_id: str) -> bool:
-        return await self._call(self.handle.push.remote(request_id, decode_id))
 
     async def abort(self, request_id: str) -> None:
         await self._call(self.handle.abort.remote(request_id))

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.messages import Aborted, Chunk, GenerateRequest, PrefillResult, Timing, WorkerHealth
+from engine.messages import Aborted, Chunk, GenerateRequest, KVHandle, PrefillResult, Timing, WorkerHealth
 from engine.outputs import Usage
 from engine.sequence import Sequence, SequenceStatus
 from router.errors import WorkerLost
@@ -184,7 +184,7 @@ class SimWorker:
                             block_size=self.engine.block_size, free_blocks=self.engine.pool.num_free,
                             running=len(self.engine.scheduler.running), tp_size=self.tp_size)
 
-    async def reserve(self, request_id: str, num_tokens: int) -> bool:
+    async def reserve(self, request_id: str, num_tokens: int, prefill_id: str) -> KVHandle | None:
         """As the real decode worker, the reservation runs on the engine's loop between steps:
         it waits for the step in flight (a steady run of them ends after the current one)."""
         self._check()
@@ -192,9 +192,11 @@ class SimWorker:
             self._poke()
             await self._between.wait()
             self._check()
-        return self.engine.reserve(request_id, num_tokens)
+        if not self.engine.reserve(request_id, num_tokens):
+            return None
+        return KVHandle(request_id, prefill_id, self.worker_id, num_tokens)
 
-    async def prefill(self, req: GenerateRequest) -> PrefillResult:
+    async def prefill(self, req: GenerateRequest, handle: KVHandle | None = None) -> PrefillResult:
         self._check()
         loop = asyncio.get_running_loop()
         arrived = loop.time()
@@ -214,7 +216,7 @@ class SimWorker:
                              queue_s=started - arrived, prefill_s=loop.time() - started)
 
     async def generate(self, req: GenerateRequest, first: PrefillResult | None = None,
-                       prefill: SimWorker | None = None) -> AsyncIterator[Chunk]:
+                       handle: KVHandle | None = None) -> AsyncIterator[Chunk]:
         self._check()
         rid = req.request_id
         stream = self._streams[rid] = _Stream()
@@ -224,7 +226,7 @@ class SimWorker:
                 seq = self.engine.add(req)
             else:
                 start = asyncio.get_running_loop().time()
-                nbytes = await self.network.workers[prefill.worker_id].send_kv(rid)
+                nbytes = await self.network.workers[handle.prefill_id].send_kv(rid)
                 timing = Timing(transfer_s=asyncio.get_running_loop().time() - start, transfer_bytes=nbytes)
                 if rid not in self.engine.reservations:  # aborted while the KV was on its way
                     yield Chunk(rid, [], "", True, "abort")
@@ -268,9 +270,6 @@ class SimWorker:
         self.engine.release(request_id)
         self._poke()
         return nbytes
-
-    async def push(self, request_id: str, decode_id: str) -> bool:
-        return await self.send_kv(request_id) > 0
 
     async def abort(self, request_id: str) -> None:
         stream, seq = self._streams.get(request_id), self.engine.seqs.get(request_id)

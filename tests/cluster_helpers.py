@@ -67,18 +67,17 @@ async def collect(router, rid: str, prompt: list[int], params: SamplingParams) -
 
 def disaggregate(prefill: PrefillWorker, decode: DecodeWorker, rid: str, prompt: list[int],
                  params: SamplingParams) -> tuple[list[int], Timing]:
-    """One request through the plain workers as the router drives them: prefill, reserve, then
-    the decode worker's own stream (pull, admit, or recompute when the transfer fails).
+    """One request through the plain workers as the router drives them: reserve, prefill with
+    the reservation's handle (the KV leaves as it is exported), then the decode worker's own
+    stream (wait for the KV, admit, or recompute when the transfer fails).
     Returns (tokens, the transfer's timing)."""
     req = GenerateRequest(rid, prompt, params)
-    first = prefill.prefill(req).result(timeout=30)
-    assert decode.reserve(rid, len(prompt))
-
-    async def push() -> bool:
-        return prefill.push(rid, decode.worker_id)
+    handle = decode.reserve(rid, len(prompt), prefill.worker_id)
+    assert handle is not None
+    first = prefill.prefill(req, handle).result(timeout=30)
 
     async def stream() -> list[Chunk]:
-        return [c async for c in decode.stream(req, first, prefill.worker_id, push)]
+        return [c async for c in decode.stream(req, first, handle)]
 
     chunks = asyncio.run(asyncio.wait_for(stream(), 60))
     assert chunks[-1].finished and chunks[0].timing is not None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from engine.messages import Chunk, GenerateRequest, PrefillResult, WorkerHealth
+from engine.messages import Chunk, GenerateRequest, KVHandle, PrefillResult, WorkerHealth
 from router.config import RouterConfig
 from router.pool import WorkerRef
 from router.router import Router
@@ -28,19 +28,16 @@ class FakeWorker:
     async def health(self) -> WorkerHealth:
         return WorkerHealth(self.worker_id, self.role, alive=True, model_id="fake", block_size=16, free_blocks=64)
 
-    async def reserve(self, request_id: str, num_tokens: int) -> bool:
-        return True
+    async def reserve(self, request_id: str, num_tokens: int, prefill_id: str) -> KVHandle | None:
+        return KVHandle(request_id, prefill_id, self.worker_id, num_tokens)
 
-    async def prefill(self, req: GenerateRequest) -> PrefillResult:
+    async def prefill(self, req: GenerateRequest, handle: KVHandle | None = None) -> PrefillResult:
         raise NotImplementedError(f"{self.worker_id} does not prefill")
 
     async def generate(self, req: GenerateRequest, first: PrefillResult | None = None,
-                       prefill: FakeWorker | None = None) -> AsyncIterator[Chunk]:
+                       handle: KVHandle | None = None) -> AsyncIterator[Chunk]:
         raise NotImplementedError(f"{self.worker_id} does not generate")
         yield  # an async generator
-
-    async def push(self, request_id: str, decode_id: str) -> bool:
-        return True
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)

@@ -158,7 +158,7 @@ class IndexPublisher:
 
 def worker_publisher(link: IndexLink, worker_id: str, role: str, loop) -> IndexPublisher:
     """Start a worker's lease, and its cache events' publication for prefill and mixed workers
-    (a decode worker's cache serves no routing decision). The engine.worker_base
+    (a decode worker's cache serves no routing decision). The worker.base
     PublisherFactory cluster/ hands each worker at launch, as `partial(worker_publisher, link)`;
     `loop` is the worker's EngineLoop, built with cache.record_events on when publishing."""
     def take() -> list[CacheEvent]:

@@ -1,6 +1,6 @@
 """Chaos: a worker whose engine dies while its actor lives (a real `brigade serve`, `tiny` preset,
 1 prefill + 1 decode, an embedded redis-server, BRIGADE_FAULT_INJECTION=1 so the workers take
-engine/faults.py's injections).
+worker/faults.py's injections).
 
 The decode engine is crashed with two streams in flight (one per front door). Figures, from the
 injection: the worker reports not alive, the router ejects it (HTTP /health 503, no live decode

@@ -1,4 +1,4 @@
-"""The fault-injection hook (engine/faults.py) in one process: an injected engine crash kills the
+"""The fault-injection hook (worker/faults.py) in one process: an injected engine crash kills the
 loop by the path a real failed step takes, fails the request in flight and every later call with
 EngineDied, and a worker started without BRIGADE_FAULT_INJECTION=1 refuses it."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from support import wait_for
 
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from engine.engine_loop import EngineDied, EngineLoop
-from engine.faults import FaultInjectionOff, FaultInjector, InjectedFault
+from worker.faults import FaultInjectionOff, FaultInjector, InjectedFault
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 

@@ -1,5 +1,5 @@
 """Transfer holds are leases: KV reserved on a decode worker for a prefill that never arrives,
-and KV pinned on a prefill worker for a decode worker that never pulls, are freed after
+and KV the prefill worker sent there for a request whose stream never starts, are freed after
 transfer.hold_timeout_s with no further traffic (the workers sweep on a timer, kv_transfer/leases.py).
 
 A real disaggregated cluster (local Ray, gloo pair) with a 3 s hold; the holds are made by
@@ -31,8 +31,11 @@ def test_orphaned_holds_are_freed_with_no_further_traffic(cluster) -> None:
     assert all(pool_whole(s) for s in baseline.values()), baseline
     prefill, decode = cluster.workers["prefill-0"], cluster.workers["decode-0"]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    assert ray.get(decode.reserve.remote("never-prefilled", 100), timeout=30)
-    ray.get(prefill.prefill.remote(GenerateRequest("never-pulled", list(range(3, 103)), params)), timeout=30)
+    assert ray.get(decode.reserve.remote("never-prefilled", 100, "prefill-0"), timeout=30)
+    handle = ray.get(decode.reserve.remote("never-pulled", 100, "prefill-0"), timeout=30)
+    first = ray.get(prefill.prefill.remote(GenerateRequest("never-pulled", list(range(3, 103)), params), handle),
+                    timeout=30)
+    assert first.kv_sent  # on its way to blocks nobody will admit
     held = cluster.stats()
     print(f"\nheld: decode reserved {held['decode-0']['reserved']} "
           f"({baseline['decode-0']['free_blocks'] - held['decode-0']['free_blocks']} blocks), "

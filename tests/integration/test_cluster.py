@@ -25,7 +25,8 @@ from support import wait_for
 from decode_worker import DecodeWorker
 from engine import CacheConfig, EngineConfig, LLMEngine, Role, SamplingParams
 from engine.messages import Aborted, Chunk, GenerateRequest
-from kv_transfer import LayoutMismatch, RefuseReason, TransferConfig, new_ticket
+from kv_transfer import KVTransferError, LayoutMismatch, RefuseReason, TransferConfig, new_ticket
+from kv_transfer.handoff import HandoffState
 from prefill_worker import PrefillWorker
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
@@ -86,14 +87,16 @@ def test_plain_workers_pull_and_start_give_the_mixed_engines_tokens(plain_worker
 def test_plain_workers_refuse_a_layout_mismatch_before_any_payload(plain_workers, reference):
     prefill, decode, odd = plain_workers
     prompt, params = PROMPTS[6], PARAMS[6]
-    prefill.prefill(GenerateRequest("odd-1", prompt, params)).result(timeout=30)
-    assert odd.reserve("odd-1", len(prompt))
+    req = GenerateRequest("odd-1", prompt, params)
+    handle = odd.reserve("odd-1", len(prompt), "prefill-p")
+    assert handle is not None
+    assert prefill.prefill(req, handle).result(timeout=30).kv_sent
     with pytest.raises(LayoutMismatch, match="SHAPE") as mismatch:
-        odd.pull("odd-1", "prefill-p", lambda: prefill.push("odd-1", "decode-odd"))
+        odd.kv.wait(handle, req)
     assert mismatch.value.reason is RefuseReason.SHAPE
     rx = odd.channels["prefill-p"].stats
     assert (rx.requests, rx.refused, rx.payloads, rx.payload_bytes) == (1, 1, 0, 0)
-    prefill.senders["decode-odd"].submit(lambda: None).result(timeout=30)  # the send has returned
+    prefill.kv.senders["decode-odd"].submit(lambda: None).result(timeout=30)  # the send has returned
     tx = prefill.channels["decode-odd"].stats
     assert (tx.requests, tx.refused, tx.accepted, tx.payloads) == (1, 1, 0, 0)
     assert odd.stats()["reserved"] == 1  # the caller decides: abort (or recompute)
@@ -116,31 +119,38 @@ def test_plain_prefill_worker_answers_a_prefill_aborted_before_its_first_token(p
 
 @pytest.mark.timeout(60)
 def test_kv_nobody_collects_is_freed_after_the_hold_timeout(plain_workers):
+    """The router died after the prefill (its KV already written into the decode worker's blocks,
+    never admitted) and after a reservation whose prefill never came: both are freed."""
     prefill, decode, _ = plain_workers
     prompt, params = PROMPTS[5], PARAMS[5]
-    prefill.prefill(GenerateRequest("orphan", prompt, params)).result(timeout=30)
-    assert decode.reserve("orphan-r", len(prompt))
-    assert prefill.stats()["pinned_exports"] == 1 and decode.stats()["reserved"] == 1
-    # Pretend hold_timeout_s has passed for both: the workers' lease sweepers (each second, with
-    # no further call; tests/chaos/test_leases.py over Ray) free them.
-    prefill.exported_at["orphan"] -= 10_000
-    decode.reserved_at["orphan-r"] -= 10_000
-    wait_for(lambda: prefill.stats()["pinned_exports"] == 0 and pool_whole(decode.stats()), 10.0, "holds swept")
-    assert "orphan" not in prefill.exported_at and "orphan-r" not in decode.reserved_at
-    assert not prefill.push("orphan", decode.worker_id)  # nothing left to send
+    handle = decode.reserve("orphan", len(prompt), prefill.worker_id)
+    assert prefill.prefill(GenerateRequest("orphan", prompt, params), handle).result(timeout=30).kv_sent
+    assert decode.reserve("orphan-r", len(prompt), prefill.worker_id)
+    wait_for(lambda: decode.kv.handoffs["orphan"].state is HandoffState.WRITTEN, 10.0, "the KV written")
+    assert pool_whole(prefill.stats()) and decode.stats()["reserved"] == 2  # nothing is left on the prefill side
+    # Pretend hold_timeout_s has passed: the worker's lease sweeper (each second, with no further
+    # call; tests/chaos/test_leases.py over Ray) frees both.
+    for rid in ("orphan", "orphan-r"):
+        decode.kv.handoffs[rid].reserved_at -= 10_000
+    wait_for(lambda: pool_whole(decode.stats()), 10.0, "holds swept")
+    assert "orphan" not in decode.kv.handoffs and "orphan-r" not in decode.kv.handoffs
+    with pytest.raises(KVTransferError, match="aborted or stale"):
+        decode.kv.wait(handle, GenerateRequest("orphan", prompt, params))  # nothing left to admit
 
 
 @pytest.mark.timeout(60)
 def test_a_cancel_racing_the_recompute_of_a_failed_pull_leaves_nothing_running(plain_workers):
-    """The pull fails (the prefill worker no longer holds the KV) and the decode worker recomputes;
+    """The transfer fails (the prefill worker sent no KV) and the decode worker recomputes;
     cancel() lands just then and its abort runs before the recomputed request is added (a CI run
     of tests/chaos/test_cancel_leaks.py caught it). The stream ends "abort" and nothing runs on
     unread: backpressure would hold it, and its blocks, for good."""
     prefill, decode, _ = plain_workers
     rid, prompt = "race", PROMPTS[5]
     req = GenerateRequest(rid, prompt, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
-    first = prefill.prefill(req).result(timeout=30)
-    assert decode.reserve(rid, len(prompt))
+    first = prefill.prefill(req).result(timeout=30)  # no handle: no KV goes anywhere
+    assert not first.kv_sent
+    handle = decode.reserve(rid, len(prompt), prefill.worker_id)
+    assert handle is not None
     add = decode.generate_local
 
     def cancelled_first(r, sink):
@@ -149,11 +159,8 @@ def test_a_cancel_racing_the_recompute_of_a_failed_pull_leaves_nothing_running(p
         stream.end_aborted(rid, decode.abort(rid))
         return add(r, sink)
 
-    async def refused() -> bool:
-        return False
-
     async def run() -> list[Chunk]:
-        chunks = [c async for c in decode.stream(req, first, prefill.worker_id, refused)]
+        chunks = [c async for c in decode.stream(req, first, handle)]
         # The loop lives on, as a worker's does (a closed one would fail the stream's sink).
         await asyncio.to_thread(wait_for, lambda: pool_whole(decode.stats()) and not decode.stats()["running"],
                                 10.0, lambda: f"the decode pool whole, nothing running: {decode.stats()}")
@@ -164,7 +171,7 @@ def test_a_cancel_racing_the_recompute_of_a_failed_pull_leaves_nothing_running(p
         chunks = asyncio.run(asyncio.wait_for(run(), 30))
     finally:
         del decode.generate_local
-        prefill.abort(rid)  # its KV waited for a push that never came
+        prefill.abort(rid)
     assert chunks[-1].finished and chunks[-1].finish_reason == "abort"
     assert pool_whole(prefill.stats())
 

@@ -20,6 +20,7 @@ from engine import CacheConfig, EngineConfig, LLMEngine
 from engine.fingerprint import checkpoint_fingerprint, fingerprinted
 from engine.hicache.disk_store import DiskStore
 from engine.loader import CheckpointError, checkpoint_files
+from engine.messages import GenerateRequest
 from engine.presets import materialize
 from kv_transfer import KVTransferError, TransferConfig, TransferRefused, inprocess_pair
 
@@ -115,24 +116,24 @@ def test_a_kv_header_that_disagrees_with_the_reservation_is_refused_unallocated(
     decode = DecodeWorker("decode-h", cfg, TransferConfig(backend="gloo"))
     try:
         tx, rx = inprocess_pair(decode.layout)
-        decode.channels["prefill-h"], decode.locks["prefill-h"] = rx, threading.Lock()
-        assert decode.reserve("r", 5)  # 5 tokens: one block of 16
+        rx.peer = "prefill-h"
+        decode.kv.attach(rx)
+        handle = decode.reserve("r", 5, "prefill-h")  # 5 tokens: one block of 16
+        assert handle is not None
         claims = 40  # three blocks: a buffer three times what was reserved
         kv = torch.zeros(2, decode.layout.num_layers, 3, decode.layout.block_size, decode.layout.num_kv_heads,
                          decode.layout.head_dim)
         refused: list[BaseException] = []
 
-        def push() -> bool:
-            def send() -> None:
-                try:
-                    tx.send("r", kv, claims)
-                except TransferRefused as exc:
-                    refused.append(exc)
-            threading.Thread(target=send, daemon=True).start()
-            return True
+        def send() -> None:
+            try:
+                tx.send("r", kv, claims)
+            except TransferRefused as exc:
+                refused.append(exc)
+        threading.Thread(target=send, daemon=True).start()
         with pytest.raises(KVTransferError, match="claims 40 tokens in 3 blocks; 5 in 1 were reserved"):
-            decode.pull("r", "prefill-h", push)
-        assert decode.buffers.held_bytes == 0  # nothing was allocated for it
+            decode.kv.wait(handle, GenerateRequest("r", [1] * 5))
+        assert decode.kv.buffers.held_bytes == 0  # nothing was allocated for it
         for _ in range(100):
             if refused:
                 break

@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 # Our packages: top-level directory -> the import name (the client SDK installs as brigade_client).
-PACKAGES = {"engine": "engine", "kv_transfer": "kv_transfer", "prefill_worker": "prefill_worker",
+PACKAGES = {"engine": "engine", "kv_transfer": "kv_transfer", "worker": "worker", "prefill_worker": "prefill_worker",
             "decode_worker": "decode_worker", "router": "router", "sim": "sim", "cluster": "cluster",
             "client/brigade_client": "brigade_client", "loadtest": "loadtest"}
 OURS = set(PACKAGES.values())
@@ -22,8 +22,9 @@ OURS = set(PACKAGES.values())
 MAY_IMPORT: dict[str, set[str]] = {
     "engine": set(),
     "kv_transfer": {"engine"},
-    "prefill_worker": {"engine", "kv_transfer"},
-    "decode_worker": {"engine", "kv_transfer"},
+    "worker": {"engine", "kv_transfer"},
+    "prefill_worker": {"engine", "kv_transfer", "worker"},
+    "decode_worker": {"engine", "kv_transfer", "worker"},
     "router": {"engine", "brigade_client"},
     "sim": {"engine", "router", "loadtest"},  # of loadtest only its trace rows and record (ONLY_MODULES)
     "cluster": OURS - {"cluster"},
@@ -39,6 +40,7 @@ PICKLE = {"pickle", "_pickle", "cloudpickle", "dill"}
 MAY_NOT_IMPORT: dict[str, set[str]] = {
     "engine": RAY | REDIS | GRPC | PICKLE,
     "kv_transfer": RAY | REDIS | GRPC | PICKLE,
+    "worker": RAY | REDIS | GRPC | PICKLE,
     "prefill_worker": REDIS | GRPC | PICKLE,
     "decode_worker": REDIS | GRPC | PICKLE,
     "router": PICKLE,

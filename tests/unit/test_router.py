@@ -9,7 +9,7 @@ import grpc
 import pytest
 from worker_fakes import FakeWorker, router_over
 
-from engine.messages import Aborted, Chunk, GenerateRequest, PrefillResult, Timing, WorkerHealth
+from engine.messages import Aborted, Chunk, GenerateRequest, KVHandle, PrefillResult, Timing, WorkerHealth
 from engine.outputs import Usage
 from engine.sampling import InvalidRequest, SamplingParams
 from router import errors
@@ -26,41 +26,43 @@ def token(context: list[int]) -> int:
 
 
 class Prefill(FakeWorker):
+    """Answers the first token; `sent`: the hand-offs whose KV it was told to send (with the request)."""
+
     def __init__(self, worker_id: str, die: bool = False):
         super().__init__(worker_id, "prefill")
-        self.die, self.pushed = die, []
+        self.die, self.sent = die, []
 
-    async def prefill(self, req: GenerateRequest) -> PrefillResult:
+    async def prefill(self, req: GenerateRequest, handle: KVHandle | None = None) -> PrefillResult:
         self.requests.append(req)
         if self.die:
             raise WorkerLost(self.worker_id)
         finished = req.params.max_tokens == 1
+        if handle is not None and not finished:
+            self.sent.append(handle)
         return PrefillResult(req.request_id, token(req.prompt_token_ids), "x", finished,
-                             "length" if finished else None, Usage(len(req.prompt_token_ids), 1, 0), None, 0.0, 0.01)
-
-    async def push(self, request_id: str, decode_id: str) -> bool:
-        self.pushed.append((request_id, decode_id))
-        return True
+                             "length" if finished else None, Usage(len(req.prompt_token_ids), 1, 0), None, 0.0, 0.01,
+                             kv_sent=handle is not None)
 
 
 class Decode(FakeWorker):
-    """Pulls from the prefill worker (push), then streams the tokens after the first, one a
-    chunk; waits for `release` before the pull when it is given."""
+    """Takes the KV its reservation's handle names, then streams the tokens after the first, one
+    a chunk; waits for `release` before it takes the KV when it is given."""
 
     def __init__(self, worker_id: str, release: asyncio.Event | None = None):
         super().__init__(worker_id, "decode")
-        self.release, self.reserved, self.started = release, [], False
+        self.release, self.reserved, self.started, self.taken = release, [], False, []
 
-    async def reserve(self, request_id: str, num_tokens: int) -> bool:
+    async def reserve(self, request_id: str, num_tokens: int, prefill_id: str) -> KVHandle | None:
         self.reserved.append((request_id, num_tokens))
-        return True
+        return await super().reserve(request_id, num_tokens, prefill_id)
 
-    async def generate(self, req, first=None, prefill=None):
+    async def generate(self, req, first=None, handle=None):
         self.started = True
         self.requests.append(req)
         if self.release is not None:
             await self.release.wait()
-        assert await prefill.push(req.request_id, self.worker_id)
+        assert handle.decode_id == self.worker_id and first.kv_sent
+        self.taken.append(handle)
         out = [first.first_token_id]
         n = req.params.max_tokens
         for i in range(1, n):
@@ -96,15 +98,16 @@ def test_the_first_token_reaches_the_client_before_the_kv_moves():
         router = disagg(prefill, decode)
         stream = router.generate(req("r"))
         first = await asyncio.wait_for(stream.__anext__(), 5)
-        assert first.token_ids == expected(1) and not prefill.pushed  # nothing was transferred yet
+        assert first.token_ids == expected(1) and not decode.taken  # the decode worker has not started it
         assert decode.reserved == [("r", len(PROMPT))]  # the blocks were held before the prefill
         release.set()
         rest = [c async for c in stream]
-        return first, rest, prefill, router
+        return first, rest, prefill, decode, router
 
-    first, rest, prefill, router = asyncio.run(main())
+    first, rest, prefill, decode, router = asyncio.run(main())
     assert [t for c in [first, *rest] for t in c.token_ids] == expected(6)
-    assert prefill.pushed == [("r", "decode-0")]
+    # The prefill worker got the reservation's handle with the request, and the decode worker the same one.
+    assert prefill.sent == decode.taken == [KVHandle("r", "prefill-0", "decode-0", len(PROMPT))]
     last = rest[-1]
     assert last.finished and (last.prefill_worker, last.decode_worker) == ("prefill-0", "decode-0")
     assert last.timing.transfer_s == 0.5 and last.timing.transfer_bytes == 4096
@@ -327,16 +330,16 @@ class FullDecode(Decode):
         super().__init__(worker_id)
         self.slots, self.refused = slots, 0
 
-    async def reserve(self, request_id: str, num_tokens: int) -> bool:
+    async def reserve(self, request_id: str, num_tokens: int, prefill_id: str) -> KVHandle | None:
         if self.slots == 0:
             self.refused += 1
-            return False
+            return None
         self.slots -= 1
-        return await super().reserve(request_id, num_tokens)
+        return await super().reserve(request_id, num_tokens, prefill_id)
 
-    async def generate(self, req, first=None, prefill=None):
+    async def generate(self, req, first=None, handle=None):
         try:
-            async for chunk in super().generate(req, first, prefill):
+            async for chunk in super().generate(req, first, handle):
                 await asyncio.sleep(0.01)
                 yield chunk
         finally:

@@ -45,13 +45,19 @@ def workers():
     transfer = TransferConfig(backend="gloo")
     prefill = PrefillWorker("prefill-s", cfg, transfer)
     decode = DecodeWorker("decode-s", cfg.model_copy(update={"role": Role.DECODE}), transfer)
-    tx, rx = inprocess_pair(prefill.layout, timeout_s=30.0)
-    tx.draft_layout, rx.draft_layout = prefill.draft_layout, decode.draft_layout
-    prefill.channels["decode-s"], prefill.senders["decode-s"] = tx, ThreadPoolExecutor(1)
-    decode.channels["prefill-s"], decode.locks["prefill-s"] = rx, threading.Lock()
+    pair(prefill, decode, inprocess_pair(prefill.layout, timeout_s=30.0))
     yield prefill, decode
     for w in (prefill, decode):
         w.close()
+
+
+def pair(prefill: PrefillWorker, decode: DecodeWorker, channels) -> None:
+    """Wire an in-process pair between the two, as connect() and accept() do over gloo."""
+    tx, rx = channels
+    tx.draft_layout = prefill.draft_layout
+    tx.peer, rx.peer = decode.worker_id, prefill.worker_id
+    prefill.kv.channels[decode.worker_id], prefill.kv.senders[decode.worker_id] = tx, ThreadPoolExecutor(1)
+    decode.kv.attach(rx)
 
 
 def draft_pool_whole(stats: dict) -> bool:
@@ -62,7 +68,7 @@ def draft_pool_whole(stats: dict) -> bool:
 def whole(prefill: PrefillWorker, decode: DecodeWorker) -> bool:
     """Every pool whole, and nothing held for a draft KV still to compute or send."""
     return (all(pool_whole(s) and draft_pool_whole(s) for s in (prefill.stats(), decode.stats()))
-            and not prefill.draft_exports and not prefill.engine.draft_pending and not decode.draft_reserved)
+            and not prefill.kv.outgoing and not prefill.engine.draft_pending and not decode.kv.handoffs)
 
 
 def test_shipped_draft_kv_gives_the_plain_engines_tokens(workers, reference):
@@ -105,12 +111,16 @@ def test_a_corrupted_draft_payload_is_caught_and_the_request_recomputes(workers,
 def test_an_aborted_request_frees_both_decode_pools(workers):
     prefill, decode = workers
     prompt, params = PROMPTS[9], PARAMS[9]
-    prefill.prefill(GenerateRequest("gone", prompt, params)).result(timeout=30)
-    assert decode.reserve("gone", len(prompt)) and decode.stats()["draft_requests"] == 1
-    decode.pull("gone", "prefill-s", lambda: prefill.push("gone", "decode-s"))
+    req = GenerateRequest("gone", prompt, params)
+    handle = decode.reserve("gone", len(prompt), "prefill-s")
+    assert handle is not None and decode.stats()["draft_requests"] == 1
+    prefill.prefill(req, handle).result(timeout=30)
+    assert decode.kv.wait(handle, req).draft_written
     assert decode.abort("gone") is None  # received, never admitted
-    prefill.prefill(GenerateRequest("never-pulled", prompt, params)).result(timeout=30)
-    prefill.abort("never-pulled")  # its draft KV may still be computing: dropped either way
+    handle = decode.reserve("never-pulled", len(prompt), "prefill-s")
+    prefill.prefill(GenerateRequest("never-pulled", prompt, params), handle).result(timeout=30)
+    prefill.abort("never-pulled")  # its draft KV may still be computing, its send still queued: dropped either way
+    decode.abort("never-pulled")  # whether or not its KV arrived
     assert wait_for(lambda: whole(prefill, decode), 10, "both workers whole")
 
 
@@ -121,8 +131,7 @@ def test_recompute_mode_sends_only_the_target_kv(reference):
     try:
         assert prefill.draft_layout is None and decode.draft_layout is None
         tx, rx = inprocess_pair(prefill.layout, timeout_s=30.0)
-        prefill.channels["decode-r"], prefill.senders["decode-r"] = tx, ThreadPoolExecutor(1)
-        decode.channels["prefill-r"], decode.locks["prefill-r"] = rx, threading.Lock()
+        pair(prefill, decode, (tx, rx))
         tokens, timing = disaggregate(prefill, decode, "re", PROMPTS[3], PARAMS[3])
         assert tokens == reference[3] and not timing.recomputed and rx.stats.payloads == 1
         assert pool_whole(prefill.stats()) and pool_whole(decode.stats())
@@ -137,22 +146,21 @@ def test_draft_counts_that_disagree_with_the_reservation_are_refused_unallocated
     transfer: the caller recomputes) before any receive buffer is sized for it."""
     prefill, decode = workers
     tx = prefill.channels["decode-s"]
-    assert decode.reserve("r", 20)  # 2 blocks of 16, for the target and the draft
+    handle = decode.reserve("r", 20, "prefill-s")  # 2 blocks of 16, for the target and the draft
+    assert handle is not None
     kv = torch.zeros(2, tx.layout.num_layers, 2, 16, tx.layout.num_kv_heads, tx.layout.head_dim)
     d = tx.draft_layout
     draft = make_draft_section(torch.zeros(2, d.num_layers, 1, 16, d.num_kv_heads, d.head_dim), 9, d, 0)
     header = make_header("r", kv, 20, tx.layout, tx.shard, payload_checksum(kv), draft)
     ack = torch.zeros(2, dtype=torch.int64)
 
-    def push() -> bool:
-        def send() -> None:
-            tx.link.send(torch.frombuffer(bytearray(encode_header(header)), dtype=torch.uint8), Msg.HEADER)
-            tx.link.recv(ack, Msg.ACK)
-        threading.Thread(target=send, daemon=True).start()
-        return True
+    def send() -> None:
+        tx.link.send(torch.frombuffer(bytearray(encode_header(header)), dtype=torch.uint8), Msg.HEADER)
+        tx.link.recv(ack, Msg.ACK)
+    threading.Thread(target=send, daemon=True).start()
     with pytest.raises(KVTransferError, match="draft KV of 'r' claims 9 tokens in 1 blocks; 20 in 2 were reserved"):
-        decode.pull("r", "prefill-s", push)
+        decode.kv.wait(handle, GenerateRequest("r", [1] * 20))
     assert wait_for(lambda: ack[1].item() == RefuseReason.CALLER, 5, "the refusal")
-    assert decode.buffers.held_bytes == 0
+    assert decode.kv.buffers.held_bytes == 0
     decode.abort("r")
     assert whole(prefill, decode)

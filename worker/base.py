@@ -2,7 +2,7 @@
 cache-event publisher handed in at launch, the health report, stats and shutdown; and the
 async base both Ray actors delegate through.
 
-No Ray here (the engine imports none): the actors in prefill_worker/ and decode_worker/
+No Ray here, so the plain workers run in tests without it: the actors in prefill_worker/ and decode_worker/
 subclass `WorkerActor` under `@ray.remote`, which keeps its methods.
 """
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Protocol
 
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop
-from engine.faults import FaultInjector
 from engine.llm_engine import LLMEngine
 from engine.messages import WorkerHealth
+from worker.faults import FaultInjector
 
 
 class Publisher(Protocol):
@@ -87,7 +87,7 @@ class WorkerActor:
         return await asyncio.to_thread(self.worker.stats)
 
     async def inject_fault(self, kind: str) -> None:
-        """Chaos tests only: refused unless the worker started with BRIGADE_FAULT_INJECTION=1 (engine/faults.py)."""
+        """Chaos tests only: refused unless the worker started with BRIGADE_FAULT_INJECTION=1 (worker/faults.py)."""
         self.faults.inject(kind)
 
     async def shutdown(self) -> None:
