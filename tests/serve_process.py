@@ -76,3 +76,19 @@ def door_in_flight(server: Served) -> float:
         text = resp.read().decode()
     return next((s.value for f in text_string_to_metric_families(text) for s in f.samples
                  if s.name == "brigade_requests_in_flight" and s.labels.get("door") == "http"), 0.0)
+
+
+@contextlib.contextmanager
+def ray_driver(served: Served) -> Iterator[None]:
+    """This process joined to the Ray cluster `served` started, as a driver in Brigade's namespace
+    (to reach its named worker actors), left again after."""
+    import ray
+
+    from cluster.launch import NAMESPACE, _keep_ray_on_loopback
+
+    _keep_ray_on_loopback()  # join as a driver on 127.0.0.1, where its raylet is
+    ray.init(address=ray_address(served), namespace=NAMESPACE, _node_ip_address="127.0.0.1")
+    try:
+        yield
+    finally:
+        ray.shutdown()

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 import ray
-from serve_process import Served, brigade_serve, ray_address
+from serve_process import Served, brigade_serve, ray_driver
 from support import wait_for
 
 HEALTH_INTERVAL_S = 0.5
@@ -38,14 +38,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
                       f"supervisor: {{grace_s: {GRACE_S}, interval_s: 0.5}}\n")
     flags = ["--config", str(config), "--http-port", "0", "--grpc-port", "0", "--num-blocks", "256"]
     with brigade_serve(flags, tmp / "serve.log", env={"BRIGADE_FAULT_INJECTION": "1"}) as served:
-        from cluster.launch import NAMESPACE, _keep_ray_on_loopback
-
-        _keep_ray_on_loopback()  # join as a driver on 127.0.0.1, where its raylet is
-        ray.init(address=ray_address(served), namespace=NAMESPACE, _node_ip_address="127.0.0.1")
-        try:
+        with ray_driver(served):
             yield served
-        finally:
-            ray.shutdown()
 
 
 def http(base: str, path: str, body: dict | None = None) -> tuple[int, dict]:

@@ -18,7 +18,7 @@ import pytest
 import ray
 from brigade_client import Client
 from brigade_client.v1 import brigade_pb2 as pb
-from serve_process import Served, brigade_serve, ray_address
+from serve_process import Served, brigade_serve, ray_driver
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -31,14 +31,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     tmp = tmp_path_factory.mktemp("hostile_strings")
     flags = ["--policy", "round_robin", "--http-port", "0", "--grpc-port", "0", "--num-blocks", "256"]
     with brigade_serve(flags, tmp / "serve.log") as served:
-        from cluster.launch import NAMESPACE, _keep_ray_on_loopback
-
-        _keep_ray_on_loopback()  # join as a driver on 127.0.0.1, where its raylet is
-        ray.init(address=ray_address(served), namespace=NAMESPACE, _node_ip_address="127.0.0.1")
-        try:
+        with ray_driver(served):
             yield served
-        finally:
-            ray.shutdown()
 
 
 def workers() -> dict[str, str]:

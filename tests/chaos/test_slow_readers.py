@@ -20,7 +20,7 @@ import httpx
 import psutil
 import pytest
 import ray
-from serve_process import Served, brigade_serve, door_in_flight, find_process, ray_address
+from serve_process import Served, brigade_serve, door_in_flight, find_process, ray_driver
 from support import FULL, wait_for
 
 READERS = 50 if FULL else 8
@@ -44,14 +44,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     tmp = tmp_path_factory.mktemp("slow_readers")
     flags = ["--http-port", "0", "--grpc-port", "0", "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", "64"]
     with brigade_serve(flags, tmp / "serve.log") as s:
-        from cluster.launch import NAMESPACE, _keep_ray_on_loopback
-
-        _keep_ray_on_loopback()  # join as a driver on 127.0.0.1, where its raylet is
-        ray.init(address=ray_address(s), namespace=NAMESPACE, _node_ip_address="127.0.0.1")
-        try:
+        with ray_driver(s):
             yield s
-        finally:
-            ray.shutdown()
 
 
 class SlowReader(threading.Thread):
