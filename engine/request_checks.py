@@ -61,17 +61,21 @@ def check_fits(token_ids: list[int], params: SamplingParams, *, block_size: int,
                                            f"the pool has {num_blocks}")
 
 
-def check_text(value: object, field_name: str) -> None:
+def check_text(value: object, field_name: str, what: str = "is") -> None:
     """Raise InvalidRequest unless `value` is a str that is valid Unicode text: a lone UTF-16
     surrogate ("\\ud800") is a str Python holds but UTF-8 cannot encode, so the tokenizer,
-    the detokenizer's stop search and every encoder after it would fail on it."""
+    the detokenizer's stop search and every encoder after it would fail on it. `what` begins
+    the error after the field's name ("has a key that is": the text was one of its keys)."""
     if not isinstance(value, str):
         raise InvalidRequest(field_name, f"must be a string, got {type(value).__name__}")
+    if value.isascii():  # the common case, without building the encoded copy
+        return
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise InvalidRequest(field_name, f"is not valid Unicode text: a lone surrogate U+{ord(value[exc.start]):04X} "
-                                         f"at character {exc.start}; send UTF-8 text") from None
+        raise InvalidRequest(field_name, f"{what} not valid Unicode text: a lone UTF-16 surrogate "
+                                         f"U+{ord(value[exc.start]):04X} at character {exc.start}; "
+                                         "send UTF-8 text") from None
 
 
 def check_texts(values: tuple[str, ...], field_name: str) -> None:

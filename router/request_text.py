@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.sampling import InvalidRequest
+from engine.request_checks import check_text
 
 
-def check_text(body: Any) -> None:
+def check_body_text(body: Any) -> None:
     """InvalidRequest naming the first string, or object key, in `body` (as json.loads returned
     it) that is not UTF-8-encodable, by its path: `messages[0].content[1].text`. A bad key is
     named by its object's path ("request" at the top)."""
@@ -20,22 +20,10 @@ def check_text(body: Any) -> None:
     while stack:  # by hand, not recursion: nesting depth is the client's choice
         path, value = stack.pop()
         if isinstance(value, str):
-            _check(value, path)
+            check_text(value, path)
         elif isinstance(value, dict):
             for key in value:
-                _check(key, path or "request", key=True)
+                check_text(key, path or "request", what="has a key that is")
             stack.extend((f"{path}.{k}" if path else k, v) for k, v in reversed(value.items()))
         elif isinstance(value, list):
             stack.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(value))))
-
-
-def _check(text: str, path: str, key: bool = False) -> None:
-    if text.isascii():
-        return
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        what = "has a key that is" if key else "is"
-        raise InvalidRequest(path, f"{what} not valid text: a lone UTF-16 surrogate "
-                                   f"({text[exc.start]!r:.10}) at character {exc.start}; send UTF-8 text "
-                                   "(surrogate pairs only as pairs)") from None

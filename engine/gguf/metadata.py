@@ -64,26 +64,25 @@ class Metadata:
         return value
 
     def string(self, key: str, default: Any = _REQUIRED) -> Any:
-        types = self._types(key, default)
-        if types is None:
-            return default
-        if types != [GGUFValueType.STRING]:
-            raise self._wrong(key, "a string")
-        return self._fields[key].contents()
+        return self._scalar(key, default, GGUFValueType.STRING, "a string")
 
     def flag(self, key: str, default: Any = _REQUIRED) -> Any:
-        types = self._types(key, default)
-        if types is None:
-            return default
-        if types != [GGUFValueType.BOOL]:
-            raise self._wrong(key, "a bool")
-        return bool(self._fields[key].contents())
+        value = self._scalar(key, default, GGUFValueType.BOOL, "a bool")
+        return value if value is default else bool(value)
 
     def strings(self, key: str, default: Any = _REQUIRED) -> Any:
         return self._array(key, default, {GGUFValueType.STRING}, "an array of strings")
 
     def integers(self, key: str, default: Any = _REQUIRED) -> Any:
         return self._array(key, default, _INTS, "an array of integers")
+
+    def _scalar(self, key: str, default: Any, kind: GGUFValueType, expected: str) -> Any:
+        types = self._types(key, default)
+        if types is None:
+            return default
+        if types != [kind]:
+            raise self._wrong(key, expected)
+        return self._fields[key].contents()
 
     def _array(self, key: str, default: Any, items: set[GGUFValueType], expected: str) -> Any:
         types = self._types(key, default)

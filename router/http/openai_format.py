@@ -21,7 +21,7 @@ from engine.outputs import Usage
 from engine.sampling import InvalidRequest, SamplingParams, TokenLogprobs
 from router.errors import ModelNotFound
 from router.request_fields import SAMPLING_FIELDS, sampling_params, token_ids
-from router.request_text import check_text
+from router.request_text import check_body_text
 
 
 @dataclass
@@ -42,7 +42,7 @@ def _plain_text_format(name: str, value: Any) -> bool:
 
 
 def _common(body: dict, backend) -> dict[str, Any]:
-    check_text(body)  # first: every field read below, and the backend, see UTF-8-encodable text only
+    check_body_text(body)  # first: every field read below, and the backend, see UTF-8-encodable text only
     if body.get("model") not in (None, backend.model_name):
         raise ModelNotFound(body["model"], backend.model_name)
     for name in ("n", "best_of"):

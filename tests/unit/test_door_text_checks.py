@@ -10,7 +10,7 @@ from brigade_client.v1 import brigade_pb2 as pb
 
 from engine.sampling import InvalidRequest
 from router.grpc.wire_text import bad_text_field
-from router.request_text import check_text
+from router.request_text import check_body_text
 
 LONE = ("\ud800", "\udc80", "\udfff")  # a high surrogate, a low one, the last one
 GOOD = "naïve café, 日本語, emoji 😀, RTL עברית, NUL-free combining e\u0301"
@@ -41,7 +41,7 @@ PATHS = ["prompt", "messages[0].content", "messages[0].role", "messages[1].conte
 def test_a_lone_surrogate_anywhere_is_refused_naming_its_path(path: str, lone: str) -> None:
     body, field = body_with(path, f"text {lone} more")
     with pytest.raises(InvalidRequest, match="lone UTF-16 surrogate") as err:
-        check_text(body)
+        check_body_text(body)
     assert err.value.field == field
     json.dumps({"error": str(err.value)}, ensure_ascii=False).encode()  # the answer itself is text
 
@@ -50,29 +50,29 @@ def test_a_surrogate_from_a_json_escape_or_raw_bytes_is_caught() -> None:
     """json.loads turns both the escape and the raw (invalid UTF-8) bytes into a lone surrogate."""
     for raw in (rb'{"cache_salt": "\ud800"}', b'{"cache_salt": "\xed\xa0\x80"}'):
         with pytest.raises(InvalidRequest) as err:
-            check_text(json.loads(raw))
+            check_body_text(json.loads(raw))
         assert err.value.field == "cache_salt"
 
 
 def test_a_bad_key_is_named_by_its_object() -> None:
     with pytest.raises(InvalidRequest, match="has a key") as err:
-        check_text({"chat_template_kwargs": {"ok": 1, "bad\udc80": 2}})
+        check_body_text({"chat_template_kwargs": {"ok": 1, "bad\udc80": 2}})
     assert err.value.field == "chat_template_kwargs"
     with pytest.raises(InvalidRequest) as err:
-        check_text({"\ud800": 1})
+        check_body_text({"\ud800": 1})
     assert err.value.field == "request"
 
 
 def test_valid_text_passes_in_every_field() -> None:
     for path in PATHS:
-        check_text(body_with(path, GOOD)[0])
-    check_text(json.loads(r'{"prompt": "\ud83d\ude00 a pair is one character"}'))  # an escaped pair is fine
-    check_text({"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0.5, "stream": True, "stop": None})
+        check_body_text(body_with(path, GOOD)[0])
+    check_body_text(json.loads(r'{"prompt": "\ud83d\ude00 a pair is one character"}'))  # an escaped pair is fine
+    check_body_text({"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0.5, "stream": True, "stop": None})
 
 
 def test_the_first_bad_string_in_document_order_is_named() -> None:
     with pytest.raises(InvalidRequest) as err:
-        check_text({"prompt": "ok", "stop": ["fine", "\ud800"], "cache_salt": "\udc80"})
+        check_body_text({"prompt": "ok", "stop": ["fine", "\ud800"], "cache_salt": "\udc80"})
     assert err.value.field == "stop[1]"
 
 
@@ -81,7 +81,7 @@ def test_nesting_far_past_the_recursion_limit_is_walked() -> None:
     for _ in range(50_000):
         deep = [deep]
     with pytest.raises(InvalidRequest) as err:
-        check_text({"chat_template_kwargs": {"x": deep}})
+        check_body_text({"chat_template_kwargs": {"x": deep}})
     assert err.value.field.startswith("chat_template_kwargs.x[0][0]")
 
 
