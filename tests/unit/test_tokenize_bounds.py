@@ -84,30 +84,27 @@ def test_a_long_encode_does_not_freeze_the_other_threads(tok: Tokenizer) -> None
     """A ticker that sleeps 10 ms keeps ticking while 4 M characters are tokenized (the direct
     path held the GIL for the whole encode: seconds without a tick)."""
     text = words(4_000_000)
-    gaps, stop, ticks = [], threading.Event(), [0]
+    stop, at = threading.Event(), []  # the ticker's tick times
 
     def tick() -> None:
-        last = time.perf_counter()
         while not stop.is_set():
             time.sleep(0.01)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
-            ticks[0] += 1
+            at.append(time.perf_counter())
 
     ticker = threading.Thread(target=tick)
     ticker.start()
     time.sleep(0.05)
-    gaps.clear()
-    before = ticks[0]
     start = time.perf_counter()
     ids = tok.encode(text)
-    took = time.perf_counter() - start
+    end = time.perf_counter()
     stop.set()
     ticker.join()
     assert len(ids) > 100_000
-    assert ticks[0] - before >= 3, f"no ticks while encoding for {took:.2f} s"
-    assert max(gaps) < 0.5, f"the ticker waited {max(gaps):.2f} s during a {took:.2f} s encode"
+    # The ticker ran in both halves of the encode: the GIL was free all along, not only at its
+    # ends. (How long one gap is depends on what else the cores run: a figure, not this test's.)
+    middle = (start + end) / 2
+    halves = [sum(start <= t < middle for t in at), sum(middle <= t <= end for t in at)]
+    assert min(halves) >= 3, f"ticks in each half of a {end - start:.2f} s encode: {halves}"
 
 
 def test_the_slots_bound_long_tokenizations_and_the_waiting_room(tok: Tokenizer) -> None:
